@@ -1,0 +1,99 @@
+"""Batches for training and evaluation on any number of processes.
+
+Training: every rank gets different rows, every row is seen each epoch, the order changes per epoch, and with
+length grouping the rows of a batch have similar lengths so per-batch padding stays small. Evaluation: every row
+is scored exactly once across ranks; all ranks run the same number of batches (sharded strategies need every
+rank in every forward), so a rank that is one row short repeats one row, which ``EvalBatchSampler.num_real``
+lets the loop ignore.
+"""
+
+import math
+
+import torch
+from torch.utils.data import DataLoader, Sampler
+from transformers import DataCollatorWithPadding
+
+MEGABATCH_FACTOR = 50  # how many global batches are sorted together when grouping by length
+
+
+class TrainBatchSampler(Sampler[list[int]]):
+    """Yields this rank's batches of one epoch; deterministic in (seed, epoch) so a resume can skip ahead."""
+
+    def __init__(self, lengths, batch_size, num_replicas=1, rank=0, seed=0, group_by_length=True):
+        self.lengths = list(lengths)
+        self.batch_size, self.num_replicas, self.rank = batch_size, num_replicas, rank
+        self.seed, self.group_by_length = seed, group_by_length
+        self.epoch, self.start_batch = 0, 0
+
+    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
+        self.epoch, self.start_batch = epoch, start_batch
+
+    def global_batches(self) -> list[list[int]]:
+        """The epoch's batches across all ranks, each of ``batch_size * num_replicas`` rows (the last may be
+        smaller, but always a multiple of ``num_replicas``)."""
+        g = torch.Generator().manual_seed(self.seed + self.epoch)
+        order = torch.randperm(len(self.lengths), generator=g).tolist()
+        order += order[: -len(order) % self.num_replicas]  # pad, as DistributedSampler does, to share evenly
+        size = self.batch_size * self.num_replicas
+        if self.group_by_length:
+            mega = size * MEGABATCH_FACTOR
+            order = [i for s in range(0, len(order), mega)
+                     for i in sorted(order[s:s + mega], key=self.lengths.__getitem__, reverse=True)]
+        batches = [order[s:s + size] for s in range(0, len(order), size)]
+        if self.group_by_length:  # similar lengths within a batch, but a random sequence of lengths
+            perm = torch.randperm(len(batches), generator=g).tolist()
+            batches = [batches[i] for i in perm]
+        return batches
+
+    def __iter__(self):
+        for batch in self.global_batches()[self.start_batch:]:
+            yield batch[self.rank::self.num_replicas]
+
+    def __len__(self) -> int:
+        padded = math.ceil(len(self.lengths) / self.num_replicas) * self.num_replicas
+        return math.ceil(padded / (self.batch_size * self.num_replicas)) - self.start_batch
+
+
+class EvalBatchSampler(Sampler[list[int]]):
+    """Rank r scores rows r, r + W, r + 2W, ... sorted by length; ranks one row short repeat their last row."""
+
+    def __init__(self, lengths, batch_size, num_replicas=1, rank=0):
+        mine = sorted(range(rank, len(lengths), num_replicas), key=lambda i: lengths[i], reverse=True)
+        self.num_real = len(mine)
+        per_rank = math.ceil(len(lengths) / num_replicas)
+        self.indices = mine + mine[-1:] * (per_rank - len(mine))
+        self.batch_size = batch_size
+
+    def __iter__(self):
+        for s in range(0, len(self.indices), self.batch_size):
+            yield self.indices[s:s + self.batch_size]
+
+    def __len__(self) -> int:
+        return math.ceil(len(self.indices) / self.batch_size)
+
+
+def make_collator(tokenizer, pad_to_max_length: bool, max_length: int, pad_to_multiple_of: int):
+    """Pads each batch to its longest row (rounded up for tensor-core friendly shapes), or to ``max_length``."""
+    if pad_to_max_length:
+        return DataCollatorWithPadding(tokenizer, padding="max_length", max_length=max_length)
+    return DataCollatorWithPadding(tokenizer, padding="longest", pad_to_multiple_of=pad_to_multiple_of)
+
+
+def make_dataloaders(tokenized, collator, batch_size, eval_batch_size, world_size, rank, seed,
+                     group_by_length, num_workers, pin_memory):
+    """Train, validation and test loaders; the samplers already shard across ranks."""
+    def loader(split, batch_sampler):
+        dataset = split.remove_columns("length").with_format("torch")
+        return DataLoader(dataset, batch_sampler=batch_sampler, collate_fn=collator, num_workers=num_workers,
+                          pin_memory=pin_memory, persistent_workers=num_workers > 0,
+                          # a private generator keeps worker seeding off the global RNG that dropout draws from,
+                          # so creating an iterator mid-epoch after a resume does not shift the dropout masks
+                          generator=torch.Generator().manual_seed(seed))
+
+    train = loader(tokenized["train"], TrainBatchSampler(tokenized["train"]["length"], batch_size, world_size,
+                                                         rank, seed, group_by_length))
+    val = loader(tokenized["validation"], EvalBatchSampler(tokenized["validation"]["length"], eval_batch_size,
+                                                           world_size, rank))
+    test = loader(tokenized["test"], EvalBatchSampler(tokenized["test"]["length"], eval_batch_size, world_size,
+                                                      rank))
+    return train, val, test

@@ -1,0 +1,30 @@
+"""Tokenize once, without padding, and cache the result with datasets' fingerprint cache."""
+
+import hashlib
+
+import datasets
+from datasets.fingerprint import Hasher
+
+
+def tokenize_splits(splits: datasets.DatasetDict, tokenizer, text_column: str, max_length: int,
+                    num_proc: int | None = None) -> datasets.DatasetDict:
+    """Adds the tokenizer's model inputs and a ``length`` column (tokens per row); drops the text.
+
+    The cache key is the data's fingerprint plus the tokenizer's full definition and the length, so a second run
+    with the same data, tokenizer and ``max_length`` loads the cached result instead of tokenizing again.
+    """
+    tokenizer_id = hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode()).hexdigest()
+    keep = set(tokenizer.model_input_names) - {"token_type_ids"}  # single-sentence task: all zeros anyway
+
+    def encode(batch):
+        encoded = tokenizer(batch[text_column], truncation=True, max_length=max_length)
+        out = {k: v for k, v in encoded.items() if k in keep}
+        out["length"] = [len(ids) for ids in encoded["input_ids"]]
+        return out
+
+    return datasets.DatasetDict({
+        name: split.map(encode, batched=True, remove_columns=[text_column], num_proc=num_proc,
+                        desc=f"tokenizing {name}",
+                        new_fingerprint=Hasher.hash((split._fingerprint, tokenizer_id, max_length, sorted(keep))))
+        for name, split in splits.items()
+    })

@@ -1,0 +1,143 @@
+"""Every flag of train.py, grouped by purpose. ``--config FILE`` (YAML) sets defaults; flags on the command line win."""
+
+import argparse
+import os
+
+import yaml
+
+from fabric_utils.errors import UserError
+from fabric_utils.launcher import add_launch_args
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be zero or positive, got {text}")
+    return value
+
+
+def batch_size(text: str):
+    return "auto" if text == "auto" else positive_int(text)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description="Fine-tune a transformer for text classification with Lightning Fabric.",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--config", help="YAML file of flag values (as written to config.yaml); flags given here win")
+    p.add_argument("--demo", action="store_true",
+                   help="offline run on a synthetic dataset with a tiny model built locally (overrides --dataset "
+                        "and --model)")
+    add_launch_args(p)
+
+    g = p.add_argument_group("data")
+    g.add_argument("--dataset", default="stanfordnlp/imdb", help="hub id, local file (.parquet/.csv/.json/.jsonl) "
+                   "or folder with train/validation/test files")
+    g.add_argument("--text-column", default="text")
+    g.add_argument("--label-column", default="label")
+    g.add_argument("--train-size", type=positive_int, help="use a random subset of this many training rows")
+    g.add_argument("--val-size", type=positive_int, help="validation rows (carved from train if the data has none; "
+                   "default 5,000 or a tenth of train)")
+    g.add_argument("--test-size", type=positive_int, help="use a random subset of this many test rows")
+    g.add_argument("--max-length", type=positive_int, default=512, help="truncate texts to this many tokens")
+
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default="distilbert-base-uncased", help="hub id or local folder")
+    g.add_argument("--attention-dropout", type=non_negative_float,
+                   help="override the model's attention-probability dropout (0 lets PyTorch use its fused "
+                        "attention kernel)")
+    g.add_argument("--hidden-dropout", type=non_negative_float, help="override the model's hidden-state dropout")
+
+    g = p.add_argument_group("optimization")
+    g.add_argument("--epochs", type=positive_int, default=3)
+    g.add_argument("--max-steps", type=positive_int, help="stop after this many optimizer steps (overrides --epochs)")
+    g.add_argument("--batch-size", type=batch_size, default=16,
+                   help="rows per device per micro-batch, or auto: the largest that fits")
+    g.add_argument("--eval-batch-size", type=positive_int, help="rows per device when evaluating (default 2x batch)")
+    g.add_argument("--grad-accum", type=positive_int, default=1,
+                   help="micro-batches per optimizer step; gradients are all-reduced only on the last")
+    g.add_argument("--lr", type=positive_float, default=5e-5, help="peak learning rate")
+    g.add_argument("--optimizer", choices=("adamw", "adam"), default="adamw")
+    g.add_argument("--weight-decay", type=non_negative_float, default=0.01, help="AdamW decoupled weight decay")
+    g.add_argument("--scheduler", choices=("linear", "cosine", "one-cycle", "constant"), default="linear",
+                   help="learning-rate schedule after warm-up")
+    g.add_argument("--warmup", type=non_negative_float, default=0.1,
+                   help="warm-up length: a fraction of all steps if below 1, else a step count")
+    g.add_argument("--grad-clip", type=non_negative_float, default=1.0, help="max gradient norm (0 disables)")
+    g.add_argument("--seed", type=int, default=123)
+
+    g = p.add_argument_group("speed")
+    g.add_argument("--group-by-length", action=argparse.BooleanOptionalAction, default=True,
+                   help="batch training rows of similar length so per-batch padding stays small")
+    g.add_argument("--pad-to-max-length", action="store_true", help="pad every row to --max-length (the article's "
+                   "recipe; slow)")
+    g.add_argument("--pad-to-multiple-of", type=positive_int, default=8,
+                   help="round each batch's padded length up to a multiple of this (64 with --compile)")
+    g.add_argument("--compile", action="store_true", help="torch.compile the model (compiled before the clock starts)")
+    g.add_argument("--compile-mode", default="default",
+                   choices=("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"))
+    g.add_argument("--grad-checkpointing", action="store_true", help="recompute activations in backward: less "
+                   "memory, about a third more compute")
+    g.add_argument("--num-workers", type=int, help="DataLoader worker processes per rank (default: from CPU count "
+                   "and processes per node)")
+    g.add_argument("--peak-tflops", type=positive_float,
+                   help="peak TFLOP/s of one device, for MFU where Fabric does not know it (CPUs)")
+
+    g = p.add_argument_group("evaluation, checkpoints and output")
+    g.add_argument("--val-every", type=positive_int, help="also validate every N optimizer steps")
+    g.add_argument("--out-dir", help="run folder (default: a new folder under runs/)")
+    g.add_argument("--save-every", type=positive_int, help="also checkpoint every N optimizer steps")
+    g.add_argument("--keep-last", type=positive_int, default=2, help="keep this many newest step checkpoints")
+    g.add_argument("--resume", help="auto: continue from the newest checkpoint in --out-dir (fresh start if none); "
+                   "or a checkpoint folder")
+    g.add_argument("--logger", default="csv", help="comma list of csv, tensorboard")
+    g.add_argument("--log-every", type=positive_int, default=10, help="log metrics every N optimizer steps")
+    g.add_argument("--quiet", action="store_true", help="no progress bar or log lines")
+    return p
+
+
+# the demo's tiny model starts from random weights: it needs a far larger learning rate than fine-tuning
+DEMO_DEFAULTS = {"lr": 2e-3}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.config:
+        parser.set_defaults(**load_config(args.config, parser))
+        args = parser.parse_args(argv)
+    if args.demo:
+        parser.set_defaults(**DEMO_DEFAULTS)
+        args = parser.parse_args(argv)
+    for name in args.logger.split(","):
+        if name not in ("csv", "tensorboard"):
+            raise UserError(f"unknown logger {name!r}: --logger takes a comma list of csv, tensorboard")
+    if args.num_workers is not None and args.num_workers < 0:
+        raise UserError("--num-workers must be 0 or more")
+    return args
+
+
+def load_config(path: str, parser: argparse.ArgumentParser) -> dict:
+    if not os.path.isfile(path):
+        raise UserError(f"config file {path} does not exist")
+    with open(path) as f:
+        config = yaml.safe_load(f) or {}
+    known = {a.dest for a in parser._actions}
+    unknown = sorted(set(config) - known)
+    if unknown:
+        raise UserError(f"config file {path} has unknown keys {unknown}")
+    config.pop("config", None)
+    return config

@@ -1,0 +1,32 @@
+"""Hand over the best model as a Hugging Face folder that ``from_pretrained`` loads on any machine."""
+
+import shutil
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForSequenceClassification
+
+
+def full_state_dict(state_path: Path) -> dict:
+    """The model's full, unsharded weights from a ``fabric.save`` checkpoint of any strategy."""
+    if state_path.is_file():  # single device, DDP
+        return torch.load(state_path, map_location="cpu", weights_only=True)["model"]
+    if (state_path / "latest").exists() or any(state_path.glob("*/mp_rank_*")):  # DeepSpeed ZeRO shards
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+        return get_fp32_state_dict_from_zero_checkpoint(str(state_path), tag="checkpoint")
+    from lightning.fabric.utilities.load import _load_distributed_checkpoint  # FSDP's sharded checkpoint
+    return _load_distributed_checkpoint(state_path)["model"]
+
+
+def export_model(fabric, best_state: Path, config, tokenizer, out: Path) -> None:
+    """Writes ``out`` (weights, config with label names, tokenizer) on rank 0, atomically."""
+    if fabric.is_global_zero:
+        model = AutoModelForSequenceClassification.from_config(config)
+        model.load_state_dict(full_state_dict(best_state), strict=True)
+        tmp = out.with_name(f".tmp-{out.name}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        shutil.rmtree(out, ignore_errors=True)
+        tmp.rename(out)
+    fabric.barrier()

@@ -1,0 +1,93 @@
+"""Map command-line flags to a ``lightning.Fabric``: accelerator, devices, num_nodes, strategy, precision.
+
+The choices come from Fabric's own registries, so every strategy Fabric knows (``ddp``, ``fsdp``,
+``deepspeed_stage_2_offload``, ...) works as a flag. Under ``fabric run`` the CLI's settings arrive as ``LT_*``
+environment variables and win; giving the same setting to both ``fabric run`` and ``train.py`` with different
+values stops with a message that says which to remove.
+"""
+
+import argparse
+import os
+import typing
+from pathlib import Path
+
+import torch
+from lightning.fabric import Fabric
+from lightning.fabric.accelerators import ACCELERATOR_REGISTRY
+from lightning.fabric.plugins.precision.precision import _PRECISION_INPUT_STR, _PRECISION_INPUT_STR_ALIAS
+from lightning.fabric.strategies import STRATEGY_REGISTRY
+
+from fabric_utils.errors import UserError
+
+LAUNCH_SETTINGS = ("accelerator", "devices", "num_nodes", "strategy", "precision")
+FABRIC_DEFAULTS = {"accelerator": "auto", "devices": "auto", "num_nodes": 1, "strategy": "auto"}
+PRECISIONS = ("auto", *typing.get_args(_PRECISION_INPUT_STR), *typing.get_args(_PRECISION_INPUT_STR_ALIAS))
+
+
+def add_launch_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("launch (as in `fabric run`; under `fabric run`, pass them there instead)")
+    group.add_argument("--accelerator", choices=("auto", *ACCELERATOR_REGISTRY.available_accelerators()),
+                       help="hardware to run on (default: auto)")
+    group.add_argument("--devices", help="devices per node: a count (4), a list (0,1), -1 or auto (default)")
+    group.add_argument("--num-nodes", type=int, help="number of machines (default: 1)")
+    group.add_argument("--strategy", choices=("auto", *STRATEGY_REGISTRY.available_strategies()),
+                       help="how to spread the work: ddp, fsdp, deepspeed_stage_2, ... (default: auto)")
+    group.add_argument("--precision", choices=PRECISIONS,
+                       help="numeric precision (default: auto = bf16-mixed where the hardware supports it, "
+                            "16-mixed on older GPUs, else 32-true)")
+
+
+def cli_settings() -> dict:
+    """Settings given to ``fabric run``, which passes them on as ``LT_*`` environment variables."""
+    if os.environ.get("LT_CLI_USED") != "1":
+        return {}
+    return {name: os.environ[f"LT_{name.upper()}"] for name in LAUNCH_SETTINGS if f"LT_{name.upper()}" in os.environ}
+
+
+def resolve_launch_settings(args: argparse.Namespace) -> dict:
+    """The five settings Fabric gets: the CLI's where ``fabric run`` set them, else the flags, else defaults."""
+    from_cli = cli_settings()
+    settings = {}
+    for name in LAUNCH_SETTINGS:
+        given = getattr(args, name)
+        if name in from_cli:
+            if given is not None and str(given) != from_cli[name]:
+                flag = "--" + name.replace("_", "-")
+                raise UserError(f"{flag} is set twice: `fabric run` has {from_cli[name]} (its default if not given "
+                                f"there) and train.py has {given}; remove {flag} from the train.py arguments")
+            settings[name] = from_cli[name]
+        else:
+            settings[name] = given if given is not None else FABRIC_DEFAULTS.get(name, "auto")
+    settings["num_nodes"] = int(settings["num_nodes"])
+    if settings["precision"] == "auto":
+        settings["precision"] = auto_precision(settings["accelerator"])
+    return settings
+
+
+def auto_precision(accelerator: str) -> str:
+    """bf16 autocast where the hardware runs bf16 natively, fp16 with loss scaling on older GPUs, else fp32."""
+    use_cuda = accelerator in ("cuda", "gpu") or (accelerator == "auto" and torch.cuda.is_available())
+    if use_cuda:
+        return "bf16-mixed" if torch.cuda.is_bf16_supported() else "16-mixed"
+    if accelerator in ("cpu", "auto") and cpu_has_native_bf16():
+        return "bf16-mixed"
+    return "32-true"
+
+
+def cpu_has_native_bf16() -> bool:
+    """AMX or AVX512-BF16: without them PyTorch emulates bf16 matrix products, slower than fp32."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split()
+    except OSError:  # not Linux: no cheap way to tell, and fp32 is the safe choice
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def build_fabric(args: argparse.Namespace, **fabric_kwargs) -> Fabric:
+    """Builds the Fabric; a setting Fabric rejects (16-mixed on CPU, 3 devices on a 1-GPU machine) becomes a
+    one-line ``UserError``."""
+    settings = resolve_launch_settings(args)
+    try:
+        return Fabric(**settings, **fabric_kwargs)
+    except (ValueError, RuntimeError, TypeError) as err:
+        raise UserError(f"cannot launch with {settings}: {str(err).splitlines()[0]}") from err
