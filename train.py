@@ -28,9 +28,10 @@ from fabric_utils.batch_size import find_batch_size
 from fabric_utils.checkpoint import find_resume_checkpoint, load_checkpoint, save_checkpoint
 from fabric_utils.errors import UserError, exit_on_user_error
 from fabric_utils.export import export_model
-from fabric_utils.launcher import build_fabric
+from fabric_utils.launcher import build_fabric, clips_in_loop
 from fabric_utils.modeling import load_model, load_tokenizer
-from fabric_utils.observe import Progress, environment_report, make_loggers, plot_metrics, prepare_out_dir, save_config
+from fabric_utils.observe import (Progress, environment_report, make_loggers, plot_metrics, prepare_out_dir,
+                                  quiet_libraries, save_config)
 from fabric_utils.optim import build_optimizer, build_scheduler, count_warmup_steps
 from fabric_utils.preemption import EXIT_PREEMPTED, Preemption
 from fabric_utils.speed import (configure_backends, default_num_workers, make_throughput_monitor, mfu, peak_memory_mb,
@@ -46,6 +47,7 @@ def main(argv=None):
     fabric.launch()                                                           # Fabric step 2: start processes
     out_dir = Path(fabric.broadcast(str(out_dir)))  # ranks started apart in time agree on rank 0's folder
     fabric.seed_everything(args.seed)
+    quiet_libraries(fabric, args.quiet)
     configure_backends(fabric.device)
     env = environment_report(fabric)
     if fabric.is_global_zero and not args.quiet:
@@ -79,9 +81,10 @@ def main(argv=None):
     epochs = math.ceil(max_steps / steps_per_epoch)
 
     optimizer = build_optimizer(model, args, fabric.device)
-    model, optimizer = fabric.setup(model, optimizer)                               # Fabric step 3: wrap
+    # on the plain optimizer: DeepSpeed's wrapper is no torch Optimizer, but steps the same parameter groups
     scheduler = build_scheduler(optimizer, args.scheduler, args.lr, max_steps,
                                 count_warmup_steps(args.warmup, max_steps))
+    model, optimizer = fabric.setup(model, optimizer)                               # Fabric step 3: wrap
     # the samplers already shard rows across ranks, so Fabric only moves batches to the device
     train_loader, val_loader, test_loader = fabric.setup_dataloaders(
         train_loader, val_loader, test_loader, use_distributed_sampler=False)
@@ -125,7 +128,7 @@ def main(argv=None):
             samples, tokens, flops = samples + len(lengths), tokens + lengths.sum(), flops + flops_of(lengths)
             if is_accumulating:
                 continue
-            if args.grad_clip:
+            if args.grad_clip and clips_in_loop(fabric):  # DeepSpeed clips inside optimizer.step()
                 fabric.clip_gradients(model, optimizer, max_norm=args.grad_clip)
             optimizer.step()
             scheduler.step()

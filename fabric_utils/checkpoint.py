@@ -63,18 +63,44 @@ def save_checkpoint(fabric, root: Path, tag: str, state: dict, keep_last: int | 
     return final
 
 
+def is_complete(path: Path) -> bool:
+    """Whether ``path`` holds a whole checkpoint: a non-empty ``state`` and rank 0's RNG file, which is written after
+    the state. Guards ``--resume auto`` against folders damaged or half-copied by hand (``save_checkpoint`` itself
+    only ever shows complete folders)."""
+    state = path / "state"
+    try:
+        has_state = state.stat().st_size > 0 if state.is_file() else state.is_dir() and any(state.iterdir())
+    except OSError:
+        return False
+    return has_state and (path / "rng-rank0.pt").is_file()
+
+
 def step_checkpoints(root: Path) -> list[Path]:
     """Complete step checkpoints under ``root``, oldest first."""
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if p.is_dir() and STEP_PATTERN.match(p.name)]
+    found = [p for p in root.iterdir() if p.is_dir() and STEP_PATTERN.match(p.name) and is_complete(p)]
     return sorted(found, key=lambda p: int(STEP_PATTERN.match(p.name).group(1)))
+
+
+def recover_replaced(root: Path) -> None:
+    """Puts back a checkpoint (``best``) whose replacement was interrupted between its two renames."""
+    if not root.is_dir():
+        return
+    for old in root.glob(".old-*"):
+        final = root / old.name[len(".old-"):]
+        if not final.exists() and is_complete(old):
+            try:
+                old.rename(final)
+            except OSError:  # another rank got there first
+                pass
 
 
 def find_resume_checkpoint(resume: str | None, root: Path) -> Path | None:
     if resume is None:
         return None
     if resume == "auto":
+        recover_replaced(root)
         found = step_checkpoints(root)
         return found[-1] if found else None
     path = Path(resume)
@@ -87,17 +113,42 @@ def find_resume_checkpoint(resume: str | None, root: Path) -> Path | None:
 def load_checkpoint(fabric, path: Path, state: dict, expected_meta: dict | None = None) -> dict:
     """Restores ``state`` in place from ``path`` and this rank's RNG streams; returns what was not restored in
     place. Refuses a checkpoint of another model or label set, and one that cannot be read, with a UserError."""
+    if expected_meta is not None:  # a checkpoint of another model or label set fails loading with a cryptic
+        _check_meta(path, _peek_meta(path / "state"), expected_meta)  # shape error: say what differs first
     try:
         remainder = fabric.load(path / "state", state, weights_only=True)
     except Exception as err:  # torch, safetensors and DeepSpeed each raise their own kinds for a bad file
         message = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise UserError(f"cannot restore checkpoint {path}: {message[:300]} (is it from another model or "
                         f"label set, or damaged? start a new --out-dir or pass another --resume)") from err
-    if expected_meta is not None and remainder.get("meta", state.get("meta")) != expected_meta:
-        found = remainder.get("meta", state.get("meta"))
-        raise UserError(f"checkpoint {path} was written for {found}, not {expected_meta}; resume with the same "
-                        f"--model and data, or start a new --out-dir")
+    if expected_meta is not None:
+        _check_meta(path, remainder.get("meta", state.get("meta")), expected_meta)
     rng_file = path / f"rng-rank{fabric.global_rank}.pt"
     if rng_file.exists():
         set_rng_state(torch.load(rng_file, weights_only=True))
     return remainder
+
+
+def _peek_meta(state_path: Path):
+    """The ``meta`` entry of a single-file checkpoint, read without loading the tensors; None if unreadable."""
+    if not state_path.is_file():
+        return None
+    try:
+        checkpoint = torch.load(state_path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # damaged: fabric.load reports it
+        return None
+    return checkpoint.get("meta") if isinstance(checkpoint, dict) else None
+
+
+def _check_meta(path: Path, found, expected: dict) -> None:
+    if found is None or found == expected:
+        return
+    if not isinstance(found, dict):
+        raise UserError(f"checkpoint {path} has no readable model and label record; start a new --out-dir or "
+                        f"pass another --resume")
+    if found.get("model") != expected.get("model"):
+        raise UserError(f"checkpoint {path} was written for model {found.get('model')}, not {expected.get('model')};"
+                        f" resume with the same --model, or start a new --out-dir")
+    raise UserError(f"checkpoint {path} was written for labels {found.get('labels')}, but the data has labels "
+                    f"{expected.get('labels')}; resume with the same data and --label-column, or start a new "
+                    f"--out-dir")

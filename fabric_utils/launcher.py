@@ -9,13 +9,15 @@ values stops with a message that says which to remove.
 import argparse
 import os
 import typing
+import warnings
 from pathlib import Path
 
 import torch
 from lightning.fabric import Fabric
 from lightning.fabric.accelerators import ACCELERATOR_REGISTRY
 from lightning.fabric.plugins.precision.precision import _PRECISION_INPUT_STR, _PRECISION_INPUT_STR_ALIAS
-from lightning.fabric.strategies import STRATEGY_REGISTRY
+from lightning.fabric.strategies import STRATEGY_REGISTRY, DeepSpeedStrategy
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 
 from fabric_utils.errors import UserError
 
@@ -88,6 +90,35 @@ def build_fabric(args: argparse.Namespace, **fabric_kwargs) -> Fabric:
     one-line ``UserError``."""
     settings = resolve_launch_settings(args)
     try:
-        return Fabric(**settings, **fabric_kwargs)
-    except (ValueError, RuntimeError, TypeError) as err:
+        fabric = Fabric(**settings, **fabric_kwargs)
+    except (ValueError, RuntimeError, TypeError, MisconfigurationException) as err:
         raise UserError(f"cannot launch with {settings}: {str(err).splitlines()[0]}") from err
+    check_precision_supported(settings["precision"], fabric.device)
+    if isinstance(fabric.strategy, DeepSpeedStrategy):
+        configure_deepspeed(fabric.strategy.config, args.grad_clip, args.grad_accum)
+    return fabric
+
+
+def check_precision_supported(precision: str, device: torch.device) -> None:
+    """Fabric swaps fp16 for bf16 on CPUs behind a warning, and lets bf16 through on GPUs without it."""
+    precision = str(precision)
+    if device.type == "cpu" and precision.startswith(("16", "transformer-engine")):
+        raise UserError(f"--precision {precision} needs a CUDA GPU (fp16 with loss scaling); on a CPU use "
+                        f"bf16-mixed or 32-true, or leave --precision auto")
+    if device.type == "cuda" and precision.startswith("bf16") and not torch.cuda.is_bf16_supported():
+        raise UserError(f"--precision {precision}: this GPU has no bf16 support; use 16-mixed or leave "
+                        f"--precision auto")
+
+
+def configure_deepspeed(config: dict, grad_clip: float, grad_accum: int) -> None:
+    """DeepSpeed clips gradients inside its optimizer step, so the clip value goes into its config. With
+    accumulation, the loop owns the boundary: DeepSpeed then reduces gradients only when the optimizer steps
+    (``managed_gradient_accumulation``), the same saving ``fabric.no_backward_sync`` gives DDP and FSDP."""
+    config["gradient_clipping"] = grad_clip
+    if grad_accum > 1:
+        config["managed_gradient_accumulation"] = False
+        warnings.filterwarnings("ignore", message=".*does not support skipping the gradient synchronization")
+
+
+def clips_in_loop(fabric: Fabric) -> bool:
+    return not isinstance(fabric.strategy, DeepSpeedStrategy)

@@ -33,10 +33,20 @@ def prepare_out_dir(out_dir: str | None) -> Path:
 
 
 def make_loggers(names: str, out_dir: Path) -> list:
-    """Fabric's own loggers, writing under the run folder: ``metrics.csv`` and/or TensorBoard event files."""
-    make = {"csv": lambda: CSVLogger(out_dir, name="", version=""),
-            "tensorboard": lambda: TensorBoardLogger(out_dir, name="tensorboard", version="")}
+    """Fabric's own loggers, writing under the run folder: ``logs/version_N/metrics.csv`` and/or TensorBoard event
+    files. Each start of the run (a resume too) gets a new version, so no earlier log is overwritten."""
+    make = {"csv": lambda: CSVLogger(out_dir, name="logs"),
+            "tensorboard": lambda: TensorBoardLogger(out_dir, name="tensorboard")}
     return [make[name]() for name in names.split(",")]
+
+
+def quiet_libraries(fabric, quiet: bool) -> None:
+    """Progress bars of datasets and transformers only on rank 0, and none with ``--quiet``."""
+    if quiet or not fabric.is_global_zero:
+        import datasets
+        import transformers
+        datasets.disable_progress_bars()
+        transformers.utils.logging.disable_progress_bar()
 
 
 def environment_report(fabric) -> dict:
@@ -122,16 +132,21 @@ class Progress:
 
 
 def plot_metrics(out_dir: Path) -> list[Path]:
-    """Loss and accuracy curves (train and validation against step) from ``metrics.csv``, as PNG files."""
-    csv = out_dir / "metrics.csv"
-    if not csv.exists():
+    """Loss and accuracy curves (train and validation against step) from every ``metrics.csv`` of the run (a
+    resumed run has one per start), as PNG files."""
+    csvs = sorted(out_dir.glob("logs/version_*/metrics.csv"), key=lambda p: int(p.parent.name.split("_")[1]))
+    if not csvs:
         return []
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import pandas as pd
 
-    metrics = pd.read_csv(csv)
+    frames = []
+    for csv in csvs:  # a resumed run logs again from its checkpoint's step: the later log wins from there on
+        frame = pd.read_csv(csv)
+        frames = [f[f["step"] < frame["step"].min()] for f in frames] + [frame]
+    metrics = pd.concat(frames)
     written = []
     for name in ("loss", "acc"):
         fig, ax = plt.subplots(figsize=(6, 4))

@@ -1,0 +1,89 @@
+"""The Hugging Face ``Trainer`` peer of train.py for the speed benchmark: same model, data subset, seed, learning
+rate, batch size, epochs, schedule, weight decay and clipping; dynamic padding and length grouping.
+
+Writes ``results.json`` with the keys run_bench.py reads from train.py's results (``mfu`` is not measured here).
+The training clock, as in train.py, covers the training loop plus the end-of-epoch validation and checkpoint.
+"""
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the template's data package: the identical subset
+
+from data.sources import load_splits  # noqa: E402
+from data.tokenize import tokenize_splits  # noqa: E402
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--dataset", required=True)
+    p.add_argument("--model", required=True)
+    p.add_argument("--out-dir", required=True)
+    p.add_argument("--train-size", type=int)
+    p.add_argument("--val-size", type=int)
+    p.add_argument("--test-size", type=int)
+    p.add_argument("--max-length", type=int, default=512)
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--lr", type=float, default=5e-5)
+    p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument("--warmup", type=float, default=0.1, help="fraction of steps (HF rounds up, train.py down)")
+    p.add_argument("--grad-clip", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=123)
+    p.add_argument("--bf16", action="store_true")
+    p.add_argument("--num-workers", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    from transformers import (AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding, Trainer,
+                              TrainingArguments, set_seed)
+
+    set_seed(args.seed)
+    data = load_splits(args.dataset, seed=args.seed, train_size=args.train_size, val_size=args.val_size,
+                       test_size=args.test_size)
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    tokenized = tokenize_splits(data.splits, tokenizer, "text", args.max_length)  # keeps a "length" column
+    model = AutoModelForSequenceClassification.from_pretrained(args.model, num_labels=len(data.label_names))
+
+    def accuracy(pred):
+        return {"accuracy": float((np.argmax(pred.predictions, axis=-1) == pred.label_ids).mean())}
+
+    training_args = TrainingArguments(
+        output_dir=args.out_dir, use_cpu=not torch.cuda.is_available(), seed=args.seed, bf16=args.bf16,
+        num_train_epochs=args.epochs, per_device_train_batch_size=args.batch_size,
+        per_device_eval_batch_size=2 * args.batch_size, learning_rate=args.lr, weight_decay=args.weight_decay,
+        lr_scheduler_type="linear", warmup_steps=args.warmup, max_grad_norm=args.grad_clip,
+        train_sampling_strategy="group_by_length", length_column_name="length",
+        dataloader_num_workers=args.num_workers, eval_strategy="epoch", save_strategy="epoch", save_total_limit=1,
+        load_best_model_at_end=True, metric_for_best_model="accuracy", logging_strategy="no", report_to="none",
+        disable_tqdm=True)
+    trainer = Trainer(model=model, args=training_args, train_dataset=tokenized["train"],
+                      eval_dataset=tokenized["validation"], processing_class=tokenizer,
+                      data_collator=DataCollatorWithPadding(tokenizer), compute_metrics=accuracy)
+    start = time.perf_counter()
+    trainer.train()
+    train_time = time.perf_counter() - start
+    val = trainer.evaluate()
+    test = trainer.evaluate(tokenized["test"], metric_key_prefix="test")
+    results = {
+        "val_acc": val["eval_accuracy"], "test_acc": test["test_accuracy"], "test_examples": len(tokenized["test"]),
+        "train_examples": len(tokenized["train"]), "precision": "bf16-mixed" if args.bf16 else "32-true",
+        "train_time_s": train_time,
+        "train_samples_per_s": args.epochs * len(tokenized["train"]) / train_time,
+        "train_tokens_per_s": args.epochs * sum(tokenized["train"]["length"]) / train_time,
+        "mfu": None, "config": vars(args),
+    }
+    (Path(args.out_dir) / "results.json").write_text(json.dumps(results, indent=2))
+    print(f"test accuracy {results['test_acc']:.4f}; results in {args.out_dir}/results.json")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,46 @@
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+SHIMS = REPO / "tests" / "shims"
+# a small, quick slice of the offline demo: ~400 training rows of up to 64 tokens
+SMALL_DEMO = ["--demo", "--train-size", "400", "--val-size", "101", "--test-size", "201", "--epochs", "1",
+              "--max-length", "64", "--quiet", "--num-workers", "0"]
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def run(command: list, timeout=600, deepspeed_cpu=False, check=True) -> subprocess.CompletedProcess:
+    """Runs a command from the repository root; with ``deepspeed_cpu``, under the test-only DeepSpeed CPU shim."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env.pop("FABRIC_TEMPLATE_RUN_DIR", None)
+    if deepspeed_cpu:
+        env.update(FABRIC_TEMPLATE_DEEPSPEED_CPU="1", PYTHONPATH=os.pathsep.join([str(SHIMS), str(REPO)]))
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    if check and result.returncode != 0:
+        raise AssertionError(f"{command} exited {result.returncode}\n--- stdout\n{result.stdout[-3000:]}"
+                             f"\n--- stderr\n{result.stderr[-5000:]}")
+    return result
+
+
+def train(args: list, out_dir: Path, **kwargs) -> dict:
+    """Runs ``python train.py ARGS --out-dir OUT_DIR`` and returns its results.json."""
+    run([sys.executable, "train.py", *map(str, args), "--out-dir", str(out_dir)], **kwargs)
+    return json.loads((out_dir / "results.json").read_text())
+
+
+def fabric_cli() -> str:
+    return str(Path(sys.executable).with_name("fabric"))

@@ -1,0 +1,118 @@
+"""The launcher builds the right Fabric pieces from flags, alone and under `fabric run`."""
+
+import pytest
+from lightning.fabric.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
+from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy, DeepSpeedStrategy, FSDPStrategy
+
+from conftest import SMALL_DEMO, fabric_cli, run
+from fabric_utils import launcher
+from fabric_utils.args import parse_args
+from fabric_utils.errors import UserError
+
+
+def fabric_for(*flags):
+    return launcher.build_fabric(parse_args(list(flags)))
+
+
+def test_every_registered_strategy_is_a_valid_flag():
+    for name in STRATEGY_REGISTRY.available_strategies():
+        assert parse_args(["--strategy", name]).strategy == name
+    with pytest.raises(SystemExit):
+        parse_args(["--strategy", "ddp_turbo"])
+
+
+@pytest.mark.parametrize("devices", ["4", "0,1", "auto", "-1"])
+def test_devices_accepts_what_fabric_accepts(devices):
+    assert parse_args(["--devices", devices]).devices == devices
+
+
+@pytest.mark.parametrize("name, cls, expected", [
+    ("ddp", DDPStrategy, {}),
+    ("deepspeed_stage_2", DeepSpeedStrategy, {"stage": 2, "offload_optimizer": False}),
+    ("deepspeed_stage_2_offload", DeepSpeedStrategy, {"stage": 2, "offload_optimizer": True}),
+    ("deepspeed_stage_3", DeepSpeedStrategy, {"stage": 3, "offload_optimizer": False}),
+    ("deepspeed_stage_3_offload", DeepSpeedStrategy, {"stage": 3, "offload_optimizer": True}),
+])
+def test_strategy_flags_build_the_strategy(name, cls, expected):
+    fabric = fabric_for("--accelerator", "cpu", "--devices", "2", "--strategy", name, "--precision", "32-true",
+                        "--grad-clip", "0.5")
+    assert type(fabric.strategy) is cls
+    assert fabric.world_size == 2
+    if cls is DeepSpeedStrategy:
+        zero = fabric.strategy.config["zero_optimization"]
+        assert zero["stage"] == expected["stage"]
+        assert ("offload_optimizer" in zero) == expected["offload_optimizer"]
+        assert fabric.strategy.config["gradient_clipping"] == 0.5  # DeepSpeed clips inside its optimizer step
+
+
+@pytest.mark.parametrize("precision, plugin", [
+    ("32-true", Precision), ("64-true", DoublePrecision), ("bf16-mixed", MixedPrecision), ("bf16-true", HalfPrecision),
+])
+def test_precision_flags_build_the_plugin(precision, plugin):
+    fabric = fabric_for("--accelerator", "cpu", "--precision", precision)
+    assert type(fabric.strategy.precision) is plugin
+    assert fabric.strategy.precision.precision == precision
+
+
+def test_fsdp_without_a_gpu_is_a_user_error():
+    with pytest.raises(UserError, match="FSDP is only available on GPU"):
+        fabric_for("--accelerator", "cpu", "--devices", "2", "--strategy", "fsdp")
+
+
+@pytest.mark.gpu
+def test_fsdp_on_gpu_builds_the_strategy():
+    fabric = fabric_for("--accelerator", "cuda", "--devices", "1", "--strategy", "fsdp")
+    assert type(fabric.strategy) is FSDPStrategy
+
+
+def test_precision_the_hardware_lacks_is_a_user_error():
+    with pytest.raises(UserError, match="16-mixed"):
+        fabric_for("--accelerator", "cpu", "--precision", "16-mixed")
+
+
+@pytest.mark.parametrize("cuda, cuda_bf16, cpu_bf16, expected", [
+    (True, True, False, "bf16-mixed"), (True, False, False, "16-mixed"),
+    (False, False, True, "bf16-mixed"), (False, False, False, "32-true"),
+])
+def test_auto_precision(monkeypatch, cuda, cuda_bf16, cpu_bf16, expected):
+    monkeypatch.setattr(launcher.torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(launcher.torch.cuda, "is_bf16_supported", lambda: cuda_bf16)
+    monkeypatch.setattr(launcher, "cpu_has_native_bf16", lambda: cpu_bf16)
+    assert launcher.auto_precision("auto") == expected
+    assert launcher.resolve_launch_settings(parse_args([]))["precision"] == expected
+
+
+def test_auto_precision_on_this_cpu_follows_its_flags():
+    flags = open("/proc/cpuinfo").read().split()
+    expected = "bf16-mixed" if {"amx_bf16", "avx512_bf16"} & set(flags) else "32-true"
+    assert launcher.auto_precision("cpu") == expected
+
+
+def fabric_run_env(monkeypatch, **settings):
+    monkeypatch.setenv("LT_CLI_USED", "1")
+    for name, value in settings.items():
+        monkeypatch.setenv(f"LT_{name.upper()}", value)
+
+
+def test_fabric_run_settings_win_without_conflict(monkeypatch):
+    fabric_run_env(monkeypatch, accelerator="cpu", devices="2", num_nodes="1", strategy="ddp", precision="bf16-mixed")
+    fabric = fabric_for()  # the script's own defaults must not trip Fabric's "conflicts with the CLI" error
+    assert type(fabric.strategy) is DDPStrategy
+    assert fabric.world_size == 2 and fabric.strategy.precision.precision == "bf16-mixed"
+    fabric = fabric_for("--devices", "2", "--strategy", "ddp")  # same value both ways: fine
+    assert fabric.world_size == 2
+
+
+def test_fabric_run_conflict_says_which_to_remove(monkeypatch):
+    fabric_run_env(monkeypatch, accelerator="cpu", devices="2", num_nodes="1")
+    with pytest.raises(UserError, match=r"--devices is set twice.*remove --devices from the train.py arguments"):
+        fabric_for("--devices", "3")
+
+
+def test_fabric_run_conflict_end_to_end(tmp_path):
+    result = run([fabric_cli(), "run", "--accelerator", "cpu", "--devices", "2", "train.py", *SMALL_DEMO,
+                  "--devices", "1", "--out-dir", str(tmp_path)], check=False, timeout=300)
+    assert result.returncode == 2
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "remove --devices" in errors[0]
+    assert "Traceback" not in result.stderr
