@@ -33,7 +33,7 @@ from fabric_utils.modeling import load_model, load_tokenizer
 from fabric_utils.observe import (Progress, environment_report, make_loggers, plot_metrics, prepare_out_dir,
                                   quiet_libraries, save_config)
 from fabric_utils.optim import build_optimizer, build_scheduler, count_warmup_steps
-from fabric_utils.preemption import EXIT_PREEMPTED, Preemption
+from fabric_utils.preemption import Preemption
 from fabric_utils.speed import (configure_backends, default_num_workers, make_throughput_monitor, mfu, peak_memory_mb,
                                 training_flops_fn, warm_up)
 
@@ -159,7 +159,7 @@ def main(argv=None):
             save_checkpoint(fabric, ckpt_dir, f"step-{state['step']:06d}", state, args.keep_last)
     if stop:
         fabric.print(f"preempted: saved a checkpoint at step {state['step']}; rerun with --resume auto")
-        raise SystemExit(EXIT_PREEMPTED)
+        preemption.exit(fabric)  # status EXIT_PREEMPTED (75)
     if not val or val.get("step") != state["step"]:  # the last step fell inside an epoch: validate the final model
         val = validate(fabric, model, val_loader, num_labels, state, ckpt_dir, state["step"])
     train_time = time.perf_counter() - train_start
@@ -180,6 +180,8 @@ def main(argv=None):
         "peak_memory_mb": peak_memory_mb(fabric.device),
         "environment": env, "config": vars(args),
     }
+    for logger in fabric.loggers:
+        logger.finalize("success")  # flushes metrics.csv, which the plots read
     if fabric.is_global_zero:
         (out_dir / "results.json").write_text(json.dumps(results, indent=2))
         plot_metrics(out_dir)

@@ -5,6 +5,7 @@ local folder holding ``train`` / ``validation`` / ``test`` files in one of those
 are carved from train, deterministically by seed.
 """
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -76,7 +77,16 @@ def _load_local(files: dict) -> datasets.DatasetDict:
     for f in files.values():
         if f.stat().st_size == 0:
             raise UserError(f"dataset file {f} is empty")
-    return datasets.load_dataset(formats.pop(), data_files={k: str(v) for k, v in files.items()})
+    file_format = formats.pop()
+    try:
+        return datasets.load_dataset(file_format, data_files={k: str(v) for k, v in files.items()})
+    except Exception as err:  # pyarrow, pandas and datasets each raise their own kinds for a bad file
+        message = str(err).splitlines()[0] if str(err) else type(err).__name__
+        empty = re.search(r'Instruction "(\w+)" corresponds to no data', message)
+        if empty and empty.group(1) in files:  # a header and no rows
+            raise UserError(f"dataset file {files[empty.group(1)]} has no rows") from err
+        raise UserError(f"cannot read dataset files {sorted(str(f) for f in files.values())} as {file_format}: "
+                        f"{message[:300]}") from err
 
 
 def _labels_to_ids(raw: datasets.DatasetDict, label_column: str):
@@ -105,15 +115,15 @@ def _labels_to_ids(raw: datasets.DatasetDict, label_column: str):
 
 def _carve_missing_splits(raw: datasets.DatasetDict, seed: int, val_size) -> datasets.DatasetDict:
     splits = dict(raw)
+    source_rows = len(splits["train"])
     for name in ("validation", "test"):
         if name in splits:
             continue
-        train = splits["train"]
         wanted = val_size if name == "validation" and val_size else DEFAULT_CARVED_SIZE
-        size = min(wanted, len(train) // 10) if len(train) >= 20 else 0
+        size = min(wanted, source_rows // 10)
         if size == 0:
-            raise UserError(f"the dataset has {len(train)} training rows and no {name} split: too few to carve one")
-        parts = train.train_test_split(test_size=size, seed=seed)
+            raise UserError(f"the dataset has {source_rows} training rows and no {name} split: too few to carve one")
+        parts = splits["train"].train_test_split(test_size=size, seed=seed)
         splits["train"], splits[name] = parts["train"], parts["test"]
     return datasets.DatasetDict({name: splits[name] for name in ("train", "validation", "test")})
 

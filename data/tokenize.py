@@ -1,6 +1,6 @@
 """Tokenize once, without padding, and cache the result with datasets' fingerprint cache."""
 
-import hashlib
+import json
 
 import datasets
 from datasets.fingerprint import Hasher
@@ -13,7 +13,10 @@ def tokenize_splits(splits: datasets.DatasetDict, tokenizer, text_column: str, m
     The cache key is the data's fingerprint plus the tokenizer's full definition and the length, so a second run
     with the same data, tokenizer and ``max_length`` loads the cached result instead of tokenizing again.
     """
-    tokenizer_id = hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode()).hexdigest()
+    definition = json.loads(tokenizer.backend_tokenizer.to_str())
+    for state in ("truncation", "padding"):  # set by the call itself: would change the key after the first run
+        definition.pop(state, None)
+    tokenizer_id = Hasher.hash(definition)
     keep = set(tokenizer.model_input_names) - {"token_type_ids"}  # single-sentence task: all zeros anyway
 
     def encode(batch):

@@ -113,8 +113,15 @@ def find_resume_checkpoint(resume: str | None, root: Path) -> Path | None:
 def load_checkpoint(fabric, path: Path, state: dict, expected_meta: dict | None = None) -> dict:
     """Restores ``state`` in place from ``path`` and this rank's RNG streams; returns what was not restored in
     place. Refuses a checkpoint of another model or label set, and one that cannot be read, with a UserError."""
-    if expected_meta is not None:  # a checkpoint of another model or label set fails loading with a cryptic
-        _check_meta(path, _peek_meta(path / "state"), expected_meta)  # shape error: say what differs first
+    if (path / "state").is_file():  # one file (single device, DDP): check it before anything is restored
+        try:
+            found = _peek_meta(path / "state")
+        except Exception as err:  # torch's own message here suggests weights_only=False: not the fix for this
+            raise UserError(f"cannot restore checkpoint {path}: its state file is damaged or was not written by "
+                            f"train.py ({type(err).__name__}); pass another --resume or start a new --out-dir"
+                            ) from err
+        if expected_meta is not None:  # another model or label set would fail below with a cryptic shape error
+            _check_meta(path, found, expected_meta)
     try:
         remainder = fabric.load(path / "state", state, weights_only=True)
     except Exception as err:  # torch, safetensors and DeepSpeed each raise their own kinds for a bad file
@@ -125,19 +132,22 @@ def load_checkpoint(fabric, path: Path, state: dict, expected_meta: dict | None 
         _check_meta(path, remainder.get("meta", state.get("meta")), expected_meta)
     rng_file = path / f"rng-rank{fabric.global_rank}.pt"
     if rng_file.exists():
-        set_rng_state(torch.load(rng_file, weights_only=True))
+        try:
+            rng = torch.load(rng_file, weights_only=True)
+        except Exception as err:
+            raise UserError(f"cannot restore checkpoint {path}: its {rng_file.name} is damaged "
+                            f"({type(err).__name__}); pass another --resume or start a new --out-dir") from err
+        set_rng_state(rng)
     return remainder
 
 
 def _peek_meta(state_path: Path):
-    """The ``meta`` entry of a single-file checkpoint, read without loading the tensors; None if unreadable."""
-    if not state_path.is_file():
-        return None
-    try:
-        checkpoint = torch.load(state_path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception:  # damaged: fabric.load reports it
-        return None
-    return checkpoint.get("meta") if isinstance(checkpoint, dict) else None
+    """The ``meta`` entry of a single-file checkpoint, read without loading the tensors (memory-mapped); raises if
+    the file is not a readable checkpoint."""
+    checkpoint = torch.load(state_path, map_location="cpu", weights_only=True, mmap=True)
+    if not isinstance(checkpoint, dict):
+        raise TypeError(f"a {type(checkpoint).__name__}, not a dict")
+    return checkpoint.get("meta")
 
 
 def _check_meta(path: Path, found, expected: dict) -> None:

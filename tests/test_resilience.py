@@ -238,7 +238,7 @@ def test_sigterm_to_the_launcher_of_two_cpu_processes(tmp_path):
     """``--devices 2`` on the CPU (DDP over gloo): SIGTERM reaches only the launcher (rank 0); the ranks agree at the
     next check, both save, every process exits and the launcher's status is 75; --resume auto then finishes."""
     out = tmp_path / "ddp"
-    ddp = ["--devices", "2", "--strategy", "ddp", "--save-every", "5", "--max-steps", "40"]
+    ddp = ["--devices", "2", "--strategy", "ddp", "--save-every", "5", "--max-steps", "20"]
     job = Job(out, *ddp)
     job.wait_for(out / "checkpoints" / "step-000005")
     job.proc.send_signal(signal.SIGTERM)  # the launcher only, not its process group
@@ -254,4 +254,4 @@ def test_sigterm_to_the_launcher_of_two_cpu_processes(tmp_path):
     results = resumed.results()
     resumed.wait_group()
     assert resumed_step(resumed.output()) == step
-    assert results["world_size"] == 2 and results["steps"] == 40
+    assert results["world_size"] == 2 and results["steps"] == 20

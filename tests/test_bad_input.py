@@ -1,0 +1,269 @@
+"""Issue 4, bad input: every mistake a user can make in flags, data, model, checkpoint or output folder ends the run
+with a non-zero status and one ``error: ...`` line on stderr that says what to change; no traceback, and nothing
+already in --out-dir is touched.
+
+Importing train.py's dependencies takes ~10 s here, far more than most of these runs need to fail. So one
+harness process imports them once and then runs each case as ``train.py``'s ``__main__`` in a forked child with its
+own stdout/stderr files, exit status and traceback printing exactly as ``python train.py ARGS`` would have. Two cases
+also run as real ``python train.py`` subprocesses, which checks that the harness reports what a real run does."""
+
+import hashlib
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+
+from data.demo import make_review, prepare_demo
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = Path.home() / ".cache" / "fabric-template" / "demo"
+MODEL = str(DEMO / "model")  # the demo's model: a 2-label BertForSequenceClassification
+QUICK = ["--accelerator", "cpu", "--precision", "32-true", "--num-workers", "0", "--max-length", "32", "--epochs", "1",
+         "--batch-size", "8", "--quiet"]
+
+HARNESS = r"""
+import json, os, runpy, sys, time, traceback
+cases = json.loads(open(sys.argv[1]).read())
+import train  # noqa: F401  every import of train.py, once
+import datasets.packaged_modules.csv, datasets.packaged_modules.parquet  # noqa: F401
+import transformers.models.bert.modeling_bert  # noqa: F401
+try:
+    import deepspeed  # noqa: F401  (train.py's environment report imports it)
+except Exception:
+    pass
+from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
+tokenizer = AutoTokenizer.from_pretrained(sys.argv[2])  # the demo's tokenizer with a 32-wide BERT
+BertForSequenceClassification(BertConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, intermediate_size=64, num_labels=2)
+                              ).save_pretrained(sys.argv[3])
+tokenizer.save_pretrained(sys.argv[3])
+results = {}
+for case in cases:
+    out, err = case["log"] + ".out", case["log"] + ".err"
+    sys.stdout.flush(); sys.stderr.flush()
+    start = time.monotonic()
+    pid = os.fork()
+    if pid == 0:  # as `python train.py ARGS`: output to files, uncaught exceptions print a traceback and exit 1
+        rc = 1
+        try:
+            for fd, path in ((1, out), (2, err)):
+                os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+            sys.stdout = open(1, "w", closefd=False, buffering=1)
+            sys.stderr = open(2, "w", closefd=False, buffering=1)
+            sys.argv = ["train.py", *case["args"]]
+            runpy.run_path("train.py", run_name="__main__")
+            rc = 0
+        except SystemExit as exit_:
+            code = exit_.code
+            rc = 0 if code is None else code if isinstance(code, int) else 1
+            if not isinstance(code, (int, type(None))):
+                print(code, file=sys.stderr)
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush(); sys.stderr.flush()
+            os._exit(rc)
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() - start > 240:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            status = None
+            break
+        time.sleep(0.02)
+    results[case["id"]] = {"rc": None if status is None else os.waitstatus_to_exitcode(status),
+                           "stdout": open(out).read(), "stderr": open(err).read(),
+                           "seconds": round(time.monotonic() - start, 2)}
+print(json.dumps(results))
+"""
+
+
+def run_env() -> dict:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+    env.pop("FABRIC_TEMPLATE_RUN_DIR", None)
+    return env
+
+
+def write_reviews(path: Path, rows: int, seed: int, labels=("negative", "positive"), columns=("text", "label")):
+    rng = random.Random(seed)
+    reviews = []
+    for _ in range(rows):
+        text, label = make_review(rng)
+        reviews.append((text, labels[rng.randrange(len(labels))] if len(labels) != 2 else
+                        labels[("negative", "positive").index(label)]))
+    pd.DataFrame(reviews, columns=list(columns)).to_csv(path, index=False)
+    return path
+
+
+def data_folder(path: Path, labels=("negative", "positive")) -> Path:
+    path.mkdir()
+    for i, (split, rows) in enumerate((("train", 40), ("validation", 8), ("test", 8))):
+        write_reviews(path / f"{split}.csv", rows, seed=i, labels=labels)
+    return path
+
+
+def digest(path: Path) -> dict:
+    """Every file under ``path`` with its content hash."""
+    return {str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def build_cases(tmp: Path) -> tuple[list, dict]:
+    """(cases, facts): each case has an id, train.py arguments, the exit status, the text its error line must hold,
+    and whether it runs as a real subprocess."""
+    prepare_demo(DEMO)
+    ok = data_folder(tmp / "data_ok")
+    other_labels = data_folder(tmp / "data_other_labels", labels=("bad", "good"))
+    three = data_folder(tmp / "data_three", labels=("a", "b", "c"))
+    write_reviews(tmp / "no_text.csv", 30, 0, columns=("review", "label"))
+    write_reviews(tmp / "no_label.csv", 30, 0, columns=("text", "sentiment"))
+    pd.DataFrame({"text": ["good film"] * 15 + ["bad film"] * 15, "label": [1] * 15 + [-1] * 15}).to_csv(
+        tmp / "negative.csv", index=False)
+    (tmp / "empty.csv").write_bytes(b"")
+    (tmp / "header_only.csv").write_text("text,label\n")
+    (tmp / "garbage.parquet").write_bytes(b"this is not parquet\n" * 10)
+    (tmp / "a_file").write_text("not a folder\n")
+    corrupt = tmp / "corrupt" / "step-000010"
+    corrupt.mkdir(parents=True)
+    (corrupt / "state").write_bytes(os.urandom(4096))
+    (corrupt / "rng-rank0.pt").write_bytes(b"garbage")
+    other_model = tmp / "other_model"  # written by the harness: another model with the same labels
+    good_out = tmp / "good_run"
+    good_ckpt = good_out / "checkpoints" / "step-000002"
+    bad_rng = tmp / "bad_rng" / "step-000002"  # the good run's state with a damaged RNG file
+    bad_rng.mkdir(parents=True)
+    (bad_rng / "state").symlink_to(good_ckpt / "state")
+    (bad_rng / "rng-rank0.pt").write_bytes(b"garbage")
+
+    data = ["--model", MODEL, "--dataset", str(ok), *QUICK]
+    cases = [
+        # a real run first: its checkpoint is resumed below with another label set and another model
+        ("good_run", ["--dataset", str(ok), "--model", MODEL, *QUICK, "--max-steps", "2", "--save-every", "2",
+                      "--out-dir", str(good_out)], 0, None, False),
+        ("unknown_strategy", [*data, "--strategy", "warp_drive"], 2, "argument --strategy: invalid choice", False),
+        ("unknown_precision", [*data, "--precision", "8-bit"], 2, "argument --precision: invalid choice", False),
+        ("unknown_accelerator", [*data, "--accelerator", "quantum"], 2, "argument --accelerator: invalid choice",
+         False),
+        ("16_mixed_on_cpu", [*data, "--precision", "16-mixed"], 2, "16-mixed", False),
+        ("batch_size_zero", [*data, "--batch-size", "0"], 2, "argument --batch-size: must be a positive integer",
+         False),
+        ("batch_size_negative", [*data, "--batch-size", "-4"], 2, "argument --batch-size", False),
+        ("epochs_zero", [*data, "--epochs", "0"], 2, "argument --epochs: must be a positive integer", False),
+        ("max_length_zero", [*data, "--max-length", "0"], 2, "argument --max-length: must be a positive integer",
+         False),
+        ("lr_negative", [*data, "--lr", "-1"], 2, "argument --lr: must be a positive number", False),
+        ("dataset_missing", ["--model", MODEL, *QUICK, "--dataset", str(tmp / "nowhere" / "train.csv")], 2,
+         "does not exist (pass an existing file or folder to --dataset)", False),
+        ("dataset_empty_file", ["--model", MODEL, *QUICK, "--dataset", str(tmp / "empty.csv")], 2, "is empty",
+         False),
+        ("dataset_header_only", ["--model", MODEL, *QUICK, "--dataset", str(tmp / "header_only.csv")], 2,
+         f"dataset file {tmp / 'header_only.csv'} has no rows", False),
+        ("dataset_not_parquet", ["--model", MODEL, *QUICK, "--dataset", str(tmp / "garbage.parquet")], 2,
+         f"cannot read dataset files ['{tmp / 'garbage.parquet'}'] as parquet", False),
+        ("no_text_column", ["--model", MODEL, *QUICK, "--dataset", str(tmp / "no_text.csv")], 2,
+         "has no column 'text'; its columns are ['review', 'label'] (set --text-column", False),
+        ("no_label_column", ["--model", MODEL, *QUICK, "--dataset", str(tmp / "no_label.csv")], 2,
+         "has no column 'label'; its columns are ['text', 'sentiment'] (set --text-column / --label-column)", False),
+        ("negative_labels", ["--model", MODEL, *QUICK, "--dataset", str(tmp / "negative.csv")], 2,
+         "negative labels [-1]", False),
+        ("more_labels_than_the_model", ["--model", MODEL, *QUICK, "--dataset", str(three)], 2,
+         "classifies 2 labels", False),
+        ("model_missing", ["--dataset", str(ok), *QUICK, "--model", str(tmp / "no_model")], 2,
+         "does not exist (pass a hub id or an existing folder to --model)", False),
+        ("resume_missing", [*data, "--resume", str(tmp / "no_checkpoint")], 2, "is not a checkpoint folder", False),
+        ("corrupt_checkpoint", [*data, "--resume", str(corrupt)], 2,
+         f"cannot restore checkpoint {corrupt}: its state file is damaged or was not written by train.py", True),
+        ("corrupt_rng_file", [*data, "--resume", str(bad_rng)], 2,
+         f"cannot restore checkpoint {bad_rng}: its rng-rank0.pt is damaged", False),
+        ("checkpoint_other_labels", ["--model", MODEL, "--dataset", str(other_labels), *QUICK,
+                                     "--resume", str(good_ckpt)], 2,
+         "was written for labels ['negative', 'positive'], but the data has labels ['bad', 'good']", False),
+        ("checkpoint_other_model", ["--model", str(other_model), "--dataset", str(ok), *QUICK,
+                                    "--resume", str(good_ckpt)], 2, f"was written for model {MODEL}", False),
+        ("out_dir_under_a_file", [*data, "--out-dir", str(tmp / "a_file" / "run")], 2,
+         "cannot write to output folder", False),
+    ]
+    built = []
+    for case_id, args, rc, message, real in cases:
+        if "--out-dir" not in args:  # a folder with a finished run's results, which must stay as it is
+            out = tmp / "runs" / case_id
+            (out / "model").mkdir(parents=True)
+            (out / "results.json").write_text(json.dumps({"test_acc": 0.875, "case": case_id}, indent=2))
+            (out / "model" / "config.json").write_text("{}\n")
+            args = [*args, "--out-dir", str(out)]
+        built.append({"id": case_id, "args": args, "rc": rc, "message": message, "real": real,
+                      "log": str(tmp / "logs" / case_id)})
+    (tmp / "logs").mkdir()
+    return built, {"good_ckpt": good_ckpt, "other_model": str(other_model)}
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("bad_input")
+    cases, facts = build_cases(tmp)
+    before = {c["id"]: digest(Path(c["args"][c["args"].index("--out-dir") + 1])) for c in cases
+              if c["id"] != "good_run" and Path(c["args"][c["args"].index("--out-dir") + 1]).is_dir()}
+    real = {c["id"]: subprocess.Popen([sys.executable, "train.py", *c["args"]], cwd=ROOT, env=run_env(),
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for c in cases if c["real"]}
+    (tmp / "cases.json").write_text(json.dumps([c for c in cases if not c["real"]]))
+    harness = subprocess.run([sys.executable, "-c", HARNESS, str(tmp / "cases.json"), MODEL, facts["other_model"]],
+                             cwd=ROOT, env=run_env(),
+                             capture_output=True, text=True, timeout=600)
+    assert harness.returncode == 0, harness.stderr[-5000:]
+    results = json.loads(harness.stdout.strip().splitlines()[-1])
+    for case_id, proc in real.items():
+        stdout, stderr = proc.communicate(timeout=300)
+        results[case_id] = {"rc": proc.returncode, "stdout": stdout, "stderr": stderr}
+    (tmp / "outcomes.json").write_text(json.dumps(results, indent=1))
+    return {c["id"]: c for c in cases}, results, before, facts
+
+
+CASE_IDS = ["unknown_strategy", "unknown_precision", "unknown_accelerator", "16_mixed_on_cpu", "batch_size_zero",
+            "batch_size_negative", "epochs_zero", "max_length_zero", "lr_negative", "dataset_missing",
+            "dataset_empty_file", "dataset_header_only",
+            "dataset_not_parquet", "no_text_column", "no_label_column", "negative_labels",
+            "more_labels_than_the_model", "model_missing", "resume_missing", "corrupt_checkpoint", "corrupt_rng_file",
+            "checkpoint_other_labels", "checkpoint_other_model", "out_dir_under_a_file"]
+
+
+def test_the_good_run_works(outcomes):
+    """Sanity check of the harness and of the checkpoint the label-set and model cases resume."""
+    cases, results, _, facts = outcomes
+    result = results["good_run"]
+    assert result["rc"] == 0, result["stderr"][-5000:]
+    assert (facts["good_ckpt"] / "state").is_file()
+    meta = torch.load(facts["good_ckpt"] / "state", weights_only=True, mmap=True)["meta"]
+    assert meta == {"model": MODEL, "labels": ["negative", "positive"]}
+
+
+@pytest.mark.parametrize("case_id", CASE_IDS)
+def test_bad_input_fails_with_one_error_line_and_touches_nothing(outcomes, case_id):
+    cases, results, before, facts = outcomes
+    case, result = cases[case_id], results[case_id]
+    stderr = result["stderr"]
+    assert result["rc"] == case["rc"], f"exit {result['rc']}\n{stderr[-5000:]}"
+    assert "Traceback" not in stderr and "Traceback" not in result["stdout"], stderr[-5000:]
+    errors = [line for line in stderr.splitlines() if "error: " in line]
+    assert len(errors) == 1, stderr[-5000:]
+    if case["message"].startswith("argument "):  # argparse's own message: "train.py: error: argument ..."
+        assert errors[0].startswith("train.py: error: "), errors[0]
+    else:
+        assert errors[0].startswith("error: "), errors[0]
+    assert case["message"] in errors[0], errors[0]
+    out_dir = Path(case["args"][case["args"].index("--out-dir") + 1])
+    if case_id in before:
+        after = digest(out_dir)
+        for name, sha in before[case_id].items():  # results.json and the exported model stay byte-identical
+            assert after.get(name) == sha, f"{name} in --out-dir was changed or removed"
+        assert not (out_dir / "checkpoints").exists()
+    if case_id.startswith("checkpoint_"):
+        assert (facts["good_ckpt"] / "state").is_file()

@@ -1,0 +1,137 @@
+"""Loading, carving, tokenizing and batching."""
+
+import pandas as pd
+import pytest
+import torch
+
+from data.batching import EvalBatchSampler, TrainBatchSampler, make_collator
+from data.demo import prepare_demo
+from data.sources import load_splits
+from data.tokenize import tokenize_splits
+from fabric_utils.errors import UserError
+from fabric_utils.modeling import load_tokenizer
+
+REVIEWS = [("a great film", "pos"), ("dull and slow", "neg"), ("quite good", "pos"), ("awful", "neg"),
+           ("fine acting", "neutral")] * 20
+
+
+def write(frame: pd.DataFrame, path):
+    {".parquet": frame.to_parquet, ".csv": frame.to_csv,
+     ".jsonl": lambda p, index: frame.to_json(p, orient="records", lines=True)}[path.suffix](path, index=False)
+    return path
+
+
+@pytest.fixture(scope="module")
+def demo_tokenizer(tmp_path_factory):
+    _, model = prepare_demo(tmp_path_factory.mktemp("demo"))
+    return load_tokenizer(str(model))
+
+
+@pytest.mark.parametrize("suffix", [".parquet", ".csv", ".jsonl"])
+@pytest.mark.parametrize("string_labels", [True, False])
+def test_local_file_with_carved_splits(tmp_path, suffix, string_labels):
+    frame = pd.DataFrame(REVIEWS, columns=["review", "sentiment"])
+    if not string_labels:
+        frame["sentiment"] = frame["sentiment"].map({"neg": 0, "neutral": 1, "pos": 2})
+    path = write(frame, tmp_path / f"reviews{suffix}")
+    data = load_splits(path, text_column="review", label_column="sentiment", seed=1)
+    assert data.label_names == (["neg", "neutral", "pos"] if string_labels else ["0", "1", "2"])
+    sizes = {name: len(split) for name, split in data.splits.items()}
+    assert sizes == {"train": 80, "validation": 10, "test": 10}  # a tenth of train each, carved in turn
+    again = load_splits(path, text_column="review", label_column="sentiment", seed=1)
+    for name in sizes:  # deterministic by seed
+        assert data.splits[name]["review"] == again.splits[name]["review"]
+    other = load_splits(path, text_column="review", label_column="sentiment", seed=2)
+    assert other.splits["test"]["review"] != data.splits["test"]["review"] or len(set(REVIEWS)) < 10
+    # labels mapped consistently: each text keeps its own label
+    truth = dict(REVIEWS)
+    names = data.label_names
+    for split in data.splits.values():
+        for text, label in zip(split["review"], split["labels"]):
+            expected = truth[text] if string_labels else {"neg": 0, "neutral": 1, "pos": 2}[truth[text]]
+            assert names[label] == str(expected)
+
+
+def test_folder_with_splits_and_subsets(tmp_path):
+    frame = pd.DataFrame(REVIEWS, columns=["text", "label"])
+    write(frame, tmp_path / "train.parquet")
+    write(frame.iloc[:30], tmp_path / "test.parquet")
+    data = load_splits(tmp_path, seed=0, train_size=50, val_size=7, test_size=11)
+    assert {k: len(v) for k, v in data.splits.items()} == {"train": 50, "validation": 7, "test": 11}
+    assert set(data.splits["train"].column_names) == {"text", "labels"}
+
+
+def test_missing_column_lists_the_columns(tmp_path):
+    path = write(pd.DataFrame(REVIEWS, columns=["review", "label"]), tmp_path / "r.csv")
+    with pytest.raises(UserError, match=r"no column 'text'.*\['review', 'label'\]"):
+        load_splits(path)
+
+
+def test_negative_labels_are_refused(tmp_path):
+    path = write(pd.DataFrame({"text": ["a", "b"] * 20, "label": [-1, 0] * 20}), tmp_path / "r.parquet")
+    with pytest.raises(UserError, match="negative labels"):
+        load_splits(path)
+
+
+def test_tokenize_is_cached(tmp_path, demo_tokenizer, monkeypatch):
+    frame = pd.DataFrame(REVIEWS, columns=["text", "label"])
+    data = load_splits(write(frame, tmp_path / "r.parquet"), seed=0)
+    first = tokenize_splits(data.splits, demo_tokenizer, "text", max_length=16)
+    calls = []
+    monkeypatch.setattr(type(demo_tokenizer), "__call__", lambda *a, **k: calls.append(1))
+    second = tokenize_splits(data.splits, demo_tokenizer, "text", max_length=16)
+    assert calls == []  # read from the cache, not tokenized again
+    assert second["train"]["input_ids"] == first["train"]["input_ids"]
+    assert max(first["train"]["length"]) <= 16
+    assert "text" not in first["train"].column_names
+
+
+def test_train_sampler_covers_every_row_once_per_epoch_on_two_ranks():
+    lengths = [(i * 37) % 101 + 1 for i in range(203)]  # odd count: one row is repeated to share evenly
+    epochs = []
+    for epoch in range(2):
+        per_rank = []
+        for rank in range(2):
+            sampler = TrainBatchSampler(lengths, batch_size=8, num_replicas=2, rank=rank, seed=5)
+            sampler.set_epoch(epoch)
+            per_rank.append([i for batch in sampler for i in batch])
+            assert len(list(sampler)) == len(sampler)
+        assert len(per_rank[0]) == len(per_rank[1]) == 102  # equal work, so no rank waits in an all-reduce
+        seen = per_rank[0] + per_rank[1]
+        assert set(seen) == set(range(203)) and len(seen) == 204
+        assert len(set(per_rank[0]) & set(per_rank[1])) <= 1  # each rank different rows but the one pad
+        epochs.append(seen)
+    assert epochs[0] != epochs[1]  # reshuffled every epoch
+
+
+def test_length_grouping_cuts_padding_and_resumes_mid_epoch():
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(5, 500, (2000,), generator=g).tolist()
+
+    def padded_tokens(group):
+        sampler = TrainBatchSampler(lengths, batch_size=16, seed=1, group_by_length=group)
+        return sum(len(b) * max(lengths[i] for i in b) for b in sampler)
+    assert padded_tokens(True) < 0.6 * padded_tokens(False)
+    sampler = TrainBatchSampler(lengths, batch_size=16, seed=1)
+    sampler.set_epoch(3)
+    full = list(sampler)
+    sampler.set_epoch(3, start_batch=40)
+    assert list(sampler) == full[40:] and len(sampler) == len(full) - 40
+
+
+def test_eval_sampler_scores_every_row_exactly_once_on_two_ranks():
+    lengths = [(i * 13) % 50 + 1 for i in range(101)]
+    samplers = [EvalBatchSampler(lengths, batch_size=8, num_replicas=2, rank=r) for r in range(2)]
+    assert len(samplers[0]) == len(samplers[1])  # same number of batches: sharded forwards stay in step
+    real = [s.indices[:s.num_real] for s in samplers]
+    assert sorted(real[0] + real[1]) == list(range(101))
+    assert sum(len(b) for b in samplers[1]) == samplers[1].num_real + 1  # the short rank repeats one row
+
+
+def test_collator_pads_per_batch_or_to_max_length(demo_tokenizer):
+    rows = [{"input_ids": [2] + [7] * n + [3], "attention_mask": [1] * (n + 2), "labels": 0} for n in (3, 10)]
+    dynamic = make_collator(demo_tokenizer, False, 64, 8)(rows)
+    assert dynamic["input_ids"].shape == (2, 16)  # longest row (12) rounded up to a multiple of 8
+    article = make_collator(demo_tokenizer, True, 64, 8)(rows)
+    assert article["input_ids"].shape == (2, 64)
+    assert article["attention_mask"].sum().item() == 17

@@ -1,0 +1,101 @@
+"""The training loop end to end: the offline demo, two CPU processes launched both ways, DeepSpeed, accumulation."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from conftest import SMALL_DEMO, fabric_cli, run, train
+from fabric_utils import batch_size as batch_size_finder
+from fabric_utils.args import parse_args
+from fabric_utils.launcher import build_fabric
+
+SMALL_SIZES = {"train_examples": 400, "val_examples": 101, "test_examples": 201}
+
+
+def test_demo_learns_and_leaves_a_complete_run_folder(tmp_path):
+    results = train(["--demo", "--quiet"], tmp_path)  # exactly the README's first command, plus a folder
+    assert results["test_acc"] >= 0.9
+    assert results["test_examples"] == 1000 and results["world_size"] == 1
+    assert results["val_examples"] + results["train_examples"] == 4000
+    for name in ("config.yaml", "loss.png", "acc.png", "logs/version_0/metrics.csv", "model/config.json",
+                 "model/tokenizer.json", "checkpoints/best/state"):
+        assert (tmp_path / name).exists(), name
+    assert {"train_tokens_per_s", "train_samples_per_s", "peak_memory_mb", "train_time_s", "environment",
+            "config"} <= set(results)
+    assert json.loads((tmp_path / "model" / "config.json").read_text())["id2label"] == {"0": "negative",
+                                                                                      "1": "positive"}
+
+
+@pytest.mark.parametrize("launch", ["python", "fabric run"])
+def test_two_cpu_processes_count_every_row_once(tmp_path, launch):
+    flags = ["--accelerator", "cpu", "--devices", "2"]
+    if launch == "python":
+        results = train([*flags, *SMALL_DEMO, "--logger", "csv,tensorboard"], tmp_path)
+    else:
+        run([fabric_cli(), "run", *flags, "train.py", *SMALL_DEMO, "--out-dir", str(tmp_path)])
+        results = json.loads((tmp_path / "results.json").read_text())
+    assert results["world_size"] == 2
+    assert {k: results[k] for k in SMALL_SIZES} == SMALL_SIZES
+    if launch == "python":
+        assert list((tmp_path / "tensorboard").rglob("events.out.tfevents.*"))
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeed_trains_saves_and_resumes_on_two_cpu_processes(tmp_path, stage):
+    flags = ["--accelerator", "cpu", "--devices", "2", "--strategy", f"deepspeed_stage_{stage}",
+             "--precision", "bf16-mixed", *SMALL_DEMO, "--save-every", "3", "--out-dir", str(tmp_path)]
+    run([sys.executable, "train.py", *flags, "--max-steps", "3"], deepspeed_cpu=True)
+    state = tmp_path / "checkpoints" / "step-000003" / "state"
+    assert state.is_dir()  # a sharded DeepSpeed checkpoint folder, not one file
+    resumed = run([sys.executable, "train.py", *flags, "--max-steps", "5", "--resume", "auto"], deepspeed_cpu=True)
+    assert "resumed from" in resumed.stdout and "step 3" in resumed.stdout
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["steps"] == 5 and results["world_size"] == 2 and results["strategy"] == "DeepSpeedStrategy"
+    assert (tmp_path / "model" / "model.safetensors").exists()  # consolidated from the shards
+
+
+def test_grad_accumulation_matches_a_larger_batch(tmp_path):
+    """16 rows per step as 1x16, 2x8 accumulated, and 2 processes x 8: the same rows, the same updates."""
+    exact = ["--precision", "32-true", "--attention-dropout", "0", "--hidden-dropout", "0", "--no-group-by-length",
+             "--max-steps", "3", "--val-every", "3", *SMALL_DEMO]
+    one = train([*exact, "--batch-size", "16"], tmp_path / "one")
+    accumulated = train([*exact, "--batch-size", "8", "--grad-accum", "2"], tmp_path / "accum")
+    ddp = train([*exact, "--batch-size", "4", "--grad-accum", "2", "--accelerator", "cpu", "--devices", "2"],
+                tmp_path / "ddp")
+    assert one["val_loss"] != pytest.approx(0.6931, abs=1e-3)  # it did learn something in 3 steps
+    assert accumulated["val_loss"] == pytest.approx(one["val_loss"], rel=1e-4)
+    assert ddp["val_loss"] == pytest.approx(one["val_loss"], rel=1e-4)
+    accumulated_rows = accumulated["train_samples_per_s"] * accumulated["train_time_s"]
+    assert accumulated_rows == pytest.approx(3 * 16)
+
+
+def test_config_file_reruns_with_flag_overrides(tmp_path):
+    first = parse_args(["--lr", "0.01", "--batch-size", "8", "--scheduler", "cosine"])
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(vars(first)))
+    again = parse_args(["--config", str(path), "--batch-size", "4"])
+    assert (again.lr, again.scheduler, again.batch_size) == (0.01, "cosine", 4)
+
+
+def test_batch_size_finder_stops_at_the_first_out_of_memory(monkeypatch):
+    fabric = build_fabric(parse_args(["--accelerator", "cpu", "--precision", "32-true"]))
+    fabric.launch()
+    args = parse_args(["--max-length", "8"])
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(10, 4)
+
+        def forward(self, input_ids, labels):
+            if len(input_ids) > 16:
+                raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+            return type("Out", (), {"loss": self.embed(input_ids).sum()})
+
+    tokenizer = list(range(10))
+    assert batch_size_finder.find_batch_size(fabric, args, Model(), tokenizer) == 16
+    assert batch_size_finder.find_batch_size(fabric, args, Model(), tokenizer, limit=4) == 4
