@@ -34,9 +34,16 @@ def batch_size(text: str):
     return "auto" if text == "auto" else positive_int(text)
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows defaults, but not "None" for flags whose default is explained in their help."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="Fine-tune a transformer for text classification with Lightning Fabric.",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=HelpFormatter)
     p.add_argument("--config", help="YAML file of flag values (as written to config.yaml); flags given here win")
     p.add_argument("--demo", action="store_true",
                    help="offline run on a synthetic dataset with a tiny model built locally (overrides --dataset "
@@ -85,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--pad-to-max-length", action="store_true", help="pad every row to --max-length (the article's "
                    "recipe; slow)")
     g.add_argument("--pad-to-multiple-of", type=positive_int, default=8,
-                   help="round each batch's padded length up to a multiple of this (64 with --compile)")
+                   help="round each batch's padded length up to a multiple of this (tensor-core friendly)")
     g.add_argument("--compile", action="store_true", help="torch.compile the model (compiled before the clock starts)")
     g.add_argument("--compile-mode", default="default",
                    choices=("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"))

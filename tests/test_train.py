@@ -44,6 +44,13 @@ def test_two_cpu_processes_count_every_row_once(tmp_path, launch):
         assert list((tmp_path / "tensorboard").rglob("events.out.tfevents.*"))
 
 
+def test_torchrun_launch(tmp_path):
+    run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "train.py", "--accelerator", "cpu",
+         "--devices", "2", "--strategy", "ddp", *SMALL_DEMO, "--max-steps", "2", "--out-dir", str(tmp_path)])
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["world_size"] == 2 and results["test_examples"] == SMALL_SIZES["test_examples"]
+
+
 @pytest.mark.parametrize("stage", [2, 3])
 def test_deepspeed_trains_saves_and_resumes_on_two_cpu_processes(tmp_path, stage):
     flags = ["--accelerator", "cpu", "--devices", "2", "--strategy", f"deepspeed_stage_{stage}",
