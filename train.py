@@ -48,11 +48,11 @@ def main(argv=None):
     out_dir = Path(fabric.broadcast(str(out_dir)))  # ranks started apart in time agree on rank 0's folder
     fabric.seed_everything(args.seed)
     quiet_libraries(fabric, args.quiet)
+    preemption = Preemption()  # from here on, SIGTERM/SIGUSR1 lead to a checkpoint, not a lost run
     configure_backends(fabric.device)
     env = environment_report(fabric)
     if fabric.is_global_zero and not args.quiet:
         fabric.print(json.dumps(env, indent=1))
-    save_config(fabric, args, out_dir)
 
     # ---- data: rank 0 of each node loads and tokenizes first; the others then read its cache ---------------------
     with fabric.rank_zero_first(local=True):
@@ -67,6 +67,7 @@ def main(argv=None):
     # ---- model and optimizer -------------------------------------------------------------------------------------
     model = load_model(args, data.label_names)
     meta = {"model": args.model, "labels": data.label_names}
+    save_config(fabric, args, out_dir)  # only now: bad data or model must leave the folder untouched
     if args.batch_size == "auto":
         args.batch_size = find_batch_size(fabric, args, model, tokenizer)
     collator = make_collator(tokenizer, args.pad_to_max_length, args.max_length, args.pad_to_multiple_of)
@@ -78,7 +79,6 @@ def main(argv=None):
     train_sampler = train_loader.batch_sampler
     steps_per_epoch = math.ceil(len(train_loader) / args.grad_accum)
     max_steps = args.max_steps or args.epochs * steps_per_epoch
-    epochs = math.ceil(max_steps / steps_per_epoch)
 
     optimizer = build_optimizer(model, args, fabric.device)
     # on the plain optimizer: DeepSpeed's wrapper is no torch Optimizer, but steps the same parameter groups
@@ -100,7 +100,6 @@ def main(argv=None):
 
     # ---- fit ---------------------------------------------------------------------------------------------------------
     progress = Progress(fabric, max_steps, args.quiet)
-    preemption = Preemption()
     throughput = make_throughput_monitor(fabric, args.peak_tflops)
     flops_of = training_flops_fn(model.module.config, args.max_length)
     check_finite = fabric.strategy.precision.precision != "16-mixed"  # the loss scaler skips non-finite steps itself
@@ -155,7 +154,8 @@ def main(argv=None):
         else:  # the epoch ran to its end
             state["epoch"] += 1
             state["batch_in_epoch"] = 0
-            val = validate(fabric, model, val_loader, num_labels, state, ckpt_dir, state["step"])
+            if val.get("step") != state["step"]:  # not just validated by --val-every
+                val = validate(fabric, model, val_loader, num_labels, state, ckpt_dir, state["step"])
             save_checkpoint(fabric, ckpt_dir, f"step-{state['step']:06d}", state, args.keep_last)
     if stop:
         fabric.print(f"preempted: saved a checkpoint at step {state['step']}; rerun with --resume auto")

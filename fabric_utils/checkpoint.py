@@ -150,13 +150,26 @@ def _peek_meta(state_path: Path):
     return checkpoint.get("meta")
 
 
+def _same_model(a, b) -> bool:
+    """The same hub id, or two spellings (relative, absolute, ~) of one local folder."""
+    if a == b:
+        return True
+    if not (isinstance(a, str) and isinstance(b, str)):
+        return False
+    pa, pb = Path(a).expanduser(), Path(b).expanduser()
+    return pa.exists() and pb.exists() and pa.resolve() == pb.resolve()
+
+
 def _check_meta(path: Path, found, expected: dict) -> None:
     if found is None or found == expected:
         return
     if not isinstance(found, dict):
         raise UserError(f"checkpoint {path} has no readable model and label record; start a new --out-dir or "
                         f"pass another --resume")
-    if found.get("model") != expected.get("model"):
+    same_model = _same_model(found.get("model"), expected.get("model"))
+    if same_model and found.get("labels") == expected.get("labels"):
+        return
+    if not same_model:
         raise UserError(f"checkpoint {path} was written for model {found.get('model')}, not {expected.get('model')};"
                         f" resume with the same --model, or start a new --out-dir")
     raise UserError(f"checkpoint {path} was written for labels {found.get('labels')}, but the data has labels "

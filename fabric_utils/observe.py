@@ -67,7 +67,7 @@ def environment_report(fabric) -> dict:
         "python": sys.version.split()[0], "platform": platform.platform(), "torch": torch.__version__,
         "lightning": lightning.__version__, "transformers": transformers.__version__,
         "datasets": datasets.__version__, "deepspeed": deepspeed_version, **device,
-        "world_size": fabric.world_size, "num_nodes": fabric._connector._num_nodes_flag,
+        "world_size": fabric.world_size, "num_nodes": getattr(fabric.strategy, "num_nodes", 1),
         "strategy": type(fabric.strategy).__name__, "precision": fabric.strategy.precision.precision,
         "accelerator": type(fabric.accelerator).__name__,
     }

@@ -16,11 +16,12 @@ def configure_backends(device: torch.device) -> None:
 
 
 def default_num_workers(fabric) -> int:
-    """Tokenization is done ahead, so workers only collate: two per process at most, never more than the CPUs
-    left after one per process on this node."""
-    per_node = max(fabric.world_size // max(fabric._connector._num_nodes_flag, 1), 1)
-    spare = (os.cpu_count() or 1) - per_node
-    return max(0, min(2, spare // per_node))
+    """Tokenization is done ahead, so workers only collate. On a CPU device they would take cores from the
+    model's own threads, so none there; on GPUs up to 4 per process, within this node's CPUs."""
+    if fabric.device.type == "cpu":
+        return 0
+    per_node = max(fabric.world_size // getattr(fabric.strategy, "num_nodes", 1), 1)
+    return max(0, min(4, (os.cpu_count() or 1) // per_node - 1))
 
 
 def training_flops_fn(config, max_length: int):

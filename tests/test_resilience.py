@@ -255,3 +255,38 @@ def test_sigterm_to_the_launcher_of_two_cpu_processes(tmp_path):
     resumed.wait_group()
     assert resumed_step(resumed.output()) == step
     assert results["world_size"] == 2 and results["steps"] == 20
+
+
+def test_find_resume_checkpoint_trusts_only_complete_folders(tmp_path):
+    """The rules behind --resume auto, without a run: newest complete step folder wins; a ``best`` whose
+    replacement was interrupted between its two renames is put back."""
+    from fabric_utils.checkpoint import find_resume_checkpoint, step_checkpoints
+
+    ckpt = tmp_path / "checkpoints"
+    for step in (5, 10):
+        (ckpt / f"step-{step:06d}").mkdir(parents=True)
+        (ckpt / f"step-{step:06d}" / "state").write_bytes(b"x")
+        (ckpt / f"step-{step:06d}" / "rng-rank0.pt").write_bytes(b"x")
+    plant_damaged_checkpoints(ckpt)
+    (ckpt / ".old-best").mkdir()
+    (ckpt / ".old-best" / "state").write_bytes(b"x")
+    (ckpt / ".old-best" / "rng-rank0.pt").write_bytes(b"x")
+    assert find_resume_checkpoint("auto", ckpt) == ckpt / "step-000010"
+    assert [p.name for p in step_checkpoints(ckpt)] == ["step-000005", "step-000010"]
+    assert (ckpt / "best" / "state").is_file() and not (ckpt / ".old-best").exists()
+    assert find_resume_checkpoint(None, ckpt) is None
+    assert find_resume_checkpoint("auto", tmp_path / "none") is None
+
+
+def test_checkpoint_meta_accepts_another_spelling_of_the_same_model_folder(tmp_path, monkeypatch):
+    from fabric_utils.checkpoint import _check_meta
+    from fabric_utils.errors import UserError
+
+    (tmp_path / "model").mkdir()
+    monkeypatch.chdir(tmp_path)
+    labels = ["negative", "positive"]
+    _check_meta(tmp_path, {"model": "model", "labels": labels}, {"model": str(tmp_path / "model"), "labels": labels})
+    with pytest.raises(UserError, match="was written for model"):
+        _check_meta(tmp_path, {"model": "model", "labels": labels}, {"model": "other", "labels": labels})
+    with pytest.raises(UserError, match="was written for labels"):
+        _check_meta(tmp_path, {"model": "model", "labels": labels}, {"model": "./model", "labels": ["a", "b"]})

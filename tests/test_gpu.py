@@ -1,0 +1,42 @@
+"""What only a CUDA GPU can show: fp16 with loss scaling, real DeepSpeed kernels, NCCL. Skipped without CUDA."""
+
+import pytest
+import torch
+
+from conftest import SMALL_DEMO, train
+from fabric_utils.args import parse_args
+from fabric_utils.launcher import build_fabric
+
+pytestmark = pytest.mark.gpu
+
+
+def test_auto_precision_on_this_gpu():
+    fabric = build_fabric(parse_args(["--accelerator", "cuda", "--devices", "1"]))
+    expected = "bf16-mixed" if torch.cuda.is_bf16_supported() else "16-mixed"
+    assert fabric.strategy.precision.precision == expected
+
+
+def test_fp16_mixed_uses_a_loss_scaler_and_trains(tmp_path):
+    fabric = build_fabric(parse_args(["--accelerator", "cuda", "--devices", "1", "--precision", "16-mixed"]))
+    assert fabric.strategy.precision.scaler is not None
+    results = train(["--accelerator", "cuda", "--devices", "1", "--precision", "16-mixed", *SMALL_DEMO,
+                     "--epochs", "3"], tmp_path)
+    assert results["precision"] == "16-mixed" and results["test_acc"] > 0.8
+
+
+@pytest.mark.parametrize("strategy", ["deepspeed_stage_2", "deepspeed_stage_3"])
+def test_deepspeed_on_gpu_without_the_cpu_shim(tmp_path, strategy):
+    results = train(["--accelerator", "cuda", "--devices", "1", "--strategy", strategy, *SMALL_DEMO], tmp_path)
+    assert results["strategy"] == "DeepSpeedStrategy"
+    assert (tmp_path / "model" / "model.safetensors").exists()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_ddp_over_nccl(tmp_path):
+    results = train(["--accelerator", "cuda", "--devices", "2", "--strategy", "ddp", *SMALL_DEMO], tmp_path)
+    assert results["world_size"] == 2 and results["test_examples"] == 201
+
+
+def test_compile_on_gpu(tmp_path):
+    results = train(["--accelerator", "cuda", "--devices", "1", "--compile", *SMALL_DEMO], tmp_path)
+    assert results["test_examples"] == 201
