@@ -17,7 +17,6 @@ import torch
 import torch.nn.functional as F
 from torchmetrics import MeanMetric, SumMetric
 from torchmetrics.classification import MulticlassAccuracy
-from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from data.batching import make_collator, make_dataloaders
 from data.demo import prepare_demo
@@ -28,7 +27,7 @@ from fabric_utils.batch_size import find_batch_size
 from fabric_utils.checkpoint import find_resume_checkpoint, load_checkpoint, save_checkpoint
 from fabric_utils.errors import UserError, exit_on_user_error
 from fabric_utils.export import export_model
-from fabric_utils.launcher import build_fabric, clips_in_loop
+from fabric_utils.launcher import build_fabric, clips_in_loop, launch
 from fabric_utils.modeling import load_model, load_tokenizer
 from fabric_utils.observe import (Progress, environment_report, make_loggers, plot_metrics, prepare_out_dir,
                                   quiet_libraries, save_config)
@@ -44,7 +43,7 @@ def main(argv=None):
     args = parse_args(argv)
     out_dir = prepare_out_dir(args.out_dir)
     fabric = build_fabric(args, loggers=make_loggers(args.logger, out_dir))  # Fabric step 1: configure
-    fabric.launch()                                                           # Fabric step 2: start processes
+    launch(fabric)                                                            # Fabric step 2: start processes
     out_dir = Path(fabric.broadcast(str(out_dir)))  # ranks started apart in time agree on rank 0's folder
     fabric.seed_everything(args.seed)
     quiet_libraries(fabric, args.quiet)
@@ -103,6 +102,7 @@ def main(argv=None):
     throughput = make_throughput_monitor(fabric, args.peak_tflops)
     flops_of = training_flops_fn(model.module.config, args.max_length)
     check_finite = fabric.strategy.precision.precision != "16-mixed"  # the loss scaler skips non-finite steps itself
+    model.train()  # from_pretrained returns the model in eval mode: dropout would stay off
     if args.compile:
         warm_up(fabric, model, train_loader)
     fabric.barrier()

@@ -89,7 +89,7 @@ def run_row(flags, args, peaks: dict, out_dir: Path) -> dict:
               "--max-length", str(args.max_length), "--epochs", "1", "--seed", str(args.seed), "--out-dir", str(out_dir)]
     precision = row_precision(flags)
     if flags == HF_TRAINER:
-        workers = max(0, min(2, (os.cpu_count() or 1) - 1))  # train.py's default for one process
+        workers = 0 if not torch.cuda.is_available() else 4  # train.py's default for one process (speed.py)
         cmd = [sys.executable, "bench/hf_trainer.py", *common, "--num-workers", str(workers)]
         cmd += ["--bf16"] if precision == "bf16-mixed" else []
     else:

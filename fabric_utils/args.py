@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--label-column", default="label")
     g.add_argument("--train-size", type=positive_int, help="use a random subset of this many training rows")
     g.add_argument("--val-size", type=positive_int, help="validation rows (carved from train if the data has none; "
-                   "default 5,000 or a tenth of train)")
+                   "default 5,000 or a fifth of train)")
     g.add_argument("--test-size", type=positive_int, help="use a random subset of this many test rows")
     g.add_argument("--max-length", type=positive_int, default=512, help="truncate texts to this many tokens")
 

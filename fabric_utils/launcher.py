@@ -39,9 +39,20 @@ def add_launch_args(parser: argparse.ArgumentParser) -> None:
                             "16-mixed on older GPUs, else 32-true)")
 
 
+def launched_by_cli() -> bool:
+    return os.environ.get("LT_CLI_USED") == "1"
+
+
+def launch(fabric: Fabric) -> None:
+    """Fabric step 2: start the processes. Under ``fabric run`` they exist already, and Fabric joined them into
+    one job when it was built (it refuses a second launch)."""
+    if not launched_by_cli():
+        fabric.launch()
+
+
 def cli_settings() -> dict:
     """Settings given to ``fabric run``, which passes them on as ``LT_*`` environment variables."""
-    if os.environ.get("LT_CLI_USED") != "1":
+    if not launched_by_cli():
         return {}
     return {name: os.environ[f"LT_{name.upper()}"] for name in LAUNCH_SETTINGS if f"LT_{name.upper()}" in os.environ}
 

@@ -1,5 +1,7 @@
 """Optimizer and learning-rate schedule from flags."""
 
+import math
+
 import torch
 from transformers import get_scheduler
 
@@ -19,7 +21,8 @@ def build_optimizer(model, args, device: torch.device) -> torch.optim.Optimizer:
 
 
 def count_warmup_steps(warmup: float, max_steps: int) -> int:
-    return int(warmup * max_steps) if warmup < 1 else int(warmup)
+    """A fraction of all steps below 1 (rounded up, as transformers does), else a step count."""
+    return math.ceil(warmup * max_steps) if warmup < 1 else int(warmup)
 
 
 def build_scheduler(optimizer, name: str, lr: float, max_steps: int, warmup_steps: int):

@@ -65,11 +65,15 @@ def mfu(monitor: ThroughputMonitor, fabric, flops: float, seconds: float) -> flo
 
 
 def warm_up(fabric, model, loader) -> None:
-    """Run one forward and backward so torch.compile compiles before the clock starts; the gradients are
-    dropped, so the weights are untouched."""
+    """Runs a training step's forward and backward, and an evaluation forward, so torch.compile builds both graphs
+    before the clock starts. The gradients are dropped, so the weights are untouched."""
     batch = next(iter(loader))
     fabric.backward(model(**batch).loss)
     model.zero_grad(set_to_none=True)
+    model.eval()
+    with torch.no_grad():
+        model(**batch)
+    model.train()
 
 
 def peak_memory_mb(device: torch.device) -> float:

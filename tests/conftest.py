@@ -23,10 +23,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def subprocess_env() -> dict:
+    """Offline, and one thread per process: runs of several processes share two cores, and oversubscribed OpenMP
+    threads make them crawl."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+    env.pop("FABRIC_TEMPLATE_RUN_DIR", None)
+    return env
+
+
 def run(command: list, timeout=600, deepspeed_cpu=False, check=True) -> subprocess.CompletedProcess:
     """Runs a command from the repository root; with ``deepspeed_cpu``, under the test-only DeepSpeed CPU shim."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    env.pop("FABRIC_TEMPLATE_RUN_DIR", None)
+    env = subprocess_env()
     if deepspeed_cpu:
         env.update(FABRIC_TEMPLATE_DEEPSPEED_CPU="1", PYTHONPATH=os.pathsep.join([str(SHIMS), str(REPO)]))
     result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)

@@ -19,9 +19,10 @@ import pandas as pd
 import pytest
 import torch
 
+from conftest import REPO, subprocess_env
 from data.demo import make_review, prepare_demo
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = REPO
 DEMO = Path.home() / ".cache" / "fabric-template" / "demo"
 MODEL = str(DEMO / "model")  # the demo's model: a 2-label BertForSequenceClassification
 QUICK = ["--accelerator", "cpu", "--precision", "32-true", "--num-workers", "0", "--max-length", "32", "--epochs", "1",
@@ -84,12 +85,6 @@ for case in cases:
                            "seconds": round(time.monotonic() - start, 2)}
 print(json.dumps(results))
 """
-
-
-def run_env() -> dict:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
-    env.pop("FABRIC_TEMPLATE_RUN_DIR", None)
-    return env
 
 
 def write_reviews(path: Path, rows: int, seed: int, labels=("negative", "positive"), columns=("text", "label")):
@@ -211,12 +206,12 @@ def outcomes(tmp_path_factory):
     cases, facts = build_cases(tmp)
     before = {c["id"]: digest(Path(c["args"][c["args"].index("--out-dir") + 1])) for c in cases
               if c["id"] != "good_run" and Path(c["args"][c["args"].index("--out-dir") + 1]).is_dir()}
-    real = {c["id"]: subprocess.Popen([sys.executable, "train.py", *c["args"]], cwd=ROOT, env=run_env(),
+    real = {c["id"]: subprocess.Popen([sys.executable, "train.py", *c["args"]], cwd=ROOT, env=subprocess_env(),
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             for c in cases if c["real"]}
     (tmp / "cases.json").write_text(json.dumps([c for c in cases if not c["real"]]))
     harness = subprocess.run([sys.executable, "-c", HARNESS, str(tmp / "cases.json"), MODEL, facts["other_model"]],
-                             cwd=ROOT, env=run_env(),
+                             cwd=ROOT, env=subprocess_env(),
                              capture_output=True, text=True, timeout=600)
     assert harness.returncode == 0, harness.stderr[-5000:]
     results = json.loads(harness.stdout.strip().splitlines()[-1])

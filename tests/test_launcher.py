@@ -1,5 +1,6 @@
 """The launcher builds the right Fabric pieces from flags, alone and under `fabric run`."""
 
+import lightning.fabric.fabric
 import pytest
 from lightning.fabric.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
 from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy, DeepSpeedStrategy, FSDPStrategy
@@ -90,6 +91,8 @@ def test_auto_precision_on_this_cpu_follows_its_flags():
 
 def fabric_run_env(monkeypatch, **settings):
     monkeypatch.setenv("LT_CLI_USED", "1")
+    # under `fabric run`, Fabric joins the other processes as it is built; here there are none to join
+    monkeypatch.setattr(lightning.fabric.fabric, "_is_using_cli", lambda: False)
     for name, value in settings.items():
         monkeypatch.setenv(f"LT_{name.upper()}", value)
 

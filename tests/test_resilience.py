@@ -15,7 +15,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import REPO, subprocess_env
+
+ROOT = REPO
 EXIT_PREEMPTED = 75
 STEPS_PER_EPOCH = 50  # 800 rows / 16 per batch
 MAX_STEPS = 2 * STEPS_PER_EPOCH
@@ -24,13 +26,6 @@ TINY = ["--demo", "--accelerator", "cpu", "--precision", "32-true", "--num-worke
         "--train-size", "800", "--val-size", "48", "--test-size", "64", "--batch-size", "16", "--epochs", "2",
         "--lr", "4e-3", "--save-every", "10", "--log-every", "5", "--quiet"]
 COMPARED = ("val_loss", "val_acc", "test_loss", "test_acc")
-
-
-def run_env() -> dict:
-    # one thread per process: the runs share two cores, and oversubscribed OpenMP threads make them crawl
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
-    env.pop("FABRIC_TEMPLATE_RUN_DIR", None)
-    return env
 
 
 class Job:
@@ -42,7 +37,7 @@ class Job:
         self.command = [sys.executable, "train.py", *base, "--out-dir", str(out_dir), *extra]
         with open(self.log, "w") as log:
             # own process group: a test can wait for every process of a multi-process run
-            self.proc = subprocess.Popen(self.command, cwd=ROOT, env=run_env(), stdout=log, stderr=subprocess.STDOUT,
+            self.proc = subprocess.Popen(self.command, cwd=ROOT, env=subprocess_env(), stdout=log, stderr=subprocess.STDOUT,
                                          start_new_session=True)
 
     def wait(self, timeout=300) -> int:
@@ -223,7 +218,7 @@ def test_exported_model_loads_with_from_pretrained_and_predicts(runs):
     jobs, _ = runs
     full = jobs["full"].results()
     data_file = Path.home() / ".cache" / "fabric-template" / "demo" / "data" / "test.parquet"
-    env = {k: v for k, v in run_env().items() if k != "PYTHONPATH"}
+    env = {k: v for k, v in subprocess_env().items() if k != "PYTHONPATH"}
     done = subprocess.run([sys.executable, "-c", EXPORT_CHECK, str(jobs["full"].out_dir / "model"), str(data_file)],
                           cwd=jobs["full"].out_dir, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -1,14 +1,15 @@
 """The training loop end to end: the offline demo, two CPU processes launched both ways, DeepSpeed, accumulation."""
 
 import json
+import os
+import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 import yaml
 
-from conftest import SMALL_DEMO, fabric_cli, run, train
+from conftest import REPO, SMALL_DEMO, fabric_cli, run, subprocess_env, train
 from fabric_utils import batch_size as batch_size_finder
 from fabric_utils.args import parse_args
 from fabric_utils.launcher import build_fabric
@@ -49,6 +50,21 @@ def test_torchrun_launch(tmp_path):
          "--devices", "2", "--strategy", "ddp", *SMALL_DEMO, "--max-steps", "2", "--out-dir", str(tmp_path)])
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["world_size"] == 2 and results["test_examples"] == SMALL_SIZES["test_examples"]
+
+
+def test_two_nodes_without_slurm(tmp_path):
+    """The README's multi-node recipe, with both "nodes" on this machine: one `fabric run` per node rank."""
+    port = str(29500 + os.getpid() % 1000)
+    nodes = [subprocess.Popen([fabric_cli(), "run", "--accelerator", "cpu", "--devices", "1", "--num-nodes", "2",
+                               "--node-rank", str(rank), "--main-address", "127.0.0.1", "--main-port", port,
+                               "train.py", *SMALL_DEMO, "--max-steps", "2", "--out-dir", str(tmp_path)],
+                              cwd=REPO, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for rank in range(2)]
+    outputs = [node.communicate(timeout=600)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["world_size"] == 2 and results["environment"]["num_nodes"] == 2
+    assert results["test_examples"] == SMALL_SIZES["test_examples"]
 
 
 @pytest.mark.parametrize("stage", [2, 3])
