@@ -106,8 +106,8 @@ def main(argv=None):
     if args.compile:
         warm_up(fabric, model, train_loader)
     fabric.barrier()
-    train_start = time.perf_counter()
-    samples = tokens = flops = 0.0
+    train_start, start_step = time.perf_counter(), state["step"]
+    samples = tokens = flops = 0.0  # this process's counts since it started (a resume starts them again)
     val = {}
     stop = False
     while state["step"] < max_steps and not stop:
@@ -141,7 +141,7 @@ def main(argv=None):
                     raise UserError(f"the training loss became {metrics['train/loss']} by step {step}: lower --lr "
                                     f"(now {args.lr}), keep --grad-clip on, or use --precision bf16-mixed/32-true")
                 elapsed = time.perf_counter() - train_start
-                throughput.update(time=elapsed, batches=step, samples=int(samples), lengths=int(tokens),
+                throughput.update(time=elapsed, batches=step - start_step, samples=int(samples), lengths=int(tokens),
                                   flops=float(flops))
                 progress.show(throughput.compute_and_log(step=step))
             stop = preemption.agreed(fabric, check_now=step % args.log_every == 0)
