@@ -1,0 +1,1 @@
+"""Loading, tokenizing and batching text-classification data; the offline demo."""

@@ -1,0 +1,1 @@
+"""The launcher (flags -> Fabric) and the small helpers train.py calls."""
