@@ -33,7 +33,7 @@ def parse_args(argv=None):
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--lr", type=float, default=5e-5)
     p.add_argument("--weight-decay", type=float, default=0.01)
-    p.add_argument("--warmup", type=float, default=0.1, help="fraction of steps (HF rounds up, train.py down)")
+    p.add_argument("--warmup", type=float, default=0.1, help="fraction of steps (rounded up, as train.py does)")
     p.add_argument("--grad-clip", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=123)
     p.add_argument("--bf16", action="store_true")
