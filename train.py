@@ -34,7 +34,7 @@ from fabric_utils.observe import (Progress, environment_report, make_loggers, pl
 from fabric_utils.optim import build_optimizer, build_scheduler, count_warmup_steps
 from fabric_utils.preemption import Preemption
 from fabric_utils.speed import (configure_backends, default_num_workers, make_throughput_monitor, mfu, peak_memory_mb,
-                                training_flops_fn, warm_up)
+                                reset_peak_memory, training_flops_fn, warm_up)
 
 
 @exit_on_user_error
@@ -101,15 +101,18 @@ def main(argv=None):
     progress = Progress(fabric, max_steps, args.quiet)
     throughput = make_throughput_monitor(fabric, args.peak_tflops)
     flops_of = training_flops_fn(model.module.config, args.max_length)
+    # rows, tokens and tokens² seen by this process, summed on the device: read only at log steps (host-device sync)
+    counts = torch.zeros(3, dtype=torch.int64, device=fabric.device)
     check_finite = fabric.strategy.precision.precision != "16-mixed"  # the loss scaler skips non-finite steps itself
     model.train()  # from_pretrained returns the model in eval mode: dropout would stay off
     if args.compile:
         warm_up(fabric, model, train_loader)
     fabric.barrier()
+    reset_peak_memory(fabric.device)  # from here on: not the batch-size finder's or the warm-up's peak
     train_start, start_step = time.perf_counter(), state["step"]
-    samples = tokens = flops = 0.0  # this process's counts since it started (a resume starts them again)
     val = {}
     stop = False
+    flops_logged = 0.0
     while state["step"] < max_steps and not stop:
         train_sampler.set_epoch(state["epoch"], start_batch=state["batch_in_epoch"])
         batches_left = len(train_loader)
@@ -124,11 +127,12 @@ def main(argv=None):
                 fabric.backward(outputs.loss / group_size)                    # Fabric step 4: backward
             progress.accumulate(outputs.loss.detach(), outputs.logits.detach(), batch["labels"])
             lengths = batch["attention_mask"].sum(dim=1)
-            samples, tokens, flops = samples + len(lengths), tokens + lengths.sum(), flops + flops_of(lengths)
+            counts += torch.stack((torch.ones_like(lengths).sum(), lengths.sum(), (lengths * lengths).sum()))
             if is_accumulating:
                 continue
             if args.grad_clip and clips_in_loop(fabric):  # DeepSpeed clips inside optimizer.step()
-                fabric.clip_gradients(model, optimizer, max_norm=args.grad_clip)
+                # no error on a non-finite norm: checking it is a sync, and 16-mixed's scaler skips those steps
+                fabric.clip_gradients(model, optimizer, max_norm=args.grad_clip, error_if_nonfinite=False)
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
@@ -137,12 +141,13 @@ def main(argv=None):
 
             if step % args.log_every == 0 or step == max_steps:  # the only host-device syncs of the hot loop
                 metrics = progress.log(step, scheduler.get_last_lr()[0])
-                if check_finite and not math.isfinite(metrics["train/loss"]):
+                if check_finite and not math.isfinite(metrics["train/loss"]):  # the same on every rank: all stop
                     raise UserError(f"the training loss became {metrics['train/loss']} by step {step}: lower --lr "
                                     f"(now {args.lr}), keep --grad-clip on, or use --precision bf16-mixed/32-true")
-                elapsed = time.perf_counter() - train_start
-                throughput.update(time=elapsed, batches=step - start_step, samples=int(samples), lengths=int(tokens),
-                                  flops=float(flops))
+                rows, tokens, tokens_sq = counts.tolist()  # host-device sync, as the loss above: log steps only
+                throughput.update(time=time.perf_counter() - train_start, batches=step - start_step, samples=rows,
+                                  lengths=tokens, flops=flops_of(rows, tokens, tokens_sq) - flops_logged)
+                flops_logged = flops_of(rows, tokens, tokens_sq)  # the monitor takes FLOPs since its last update
                 progress.show(throughput.compute_and_log(step=step))
             stop = preemption.agreed(fabric, check_now=step % args.log_every == 0)
             if args.val_every and step % args.val_every == 0:
@@ -158,11 +163,14 @@ def main(argv=None):
                 val = validate(fabric, model, val_loader, num_labels, state, ckpt_dir, state["step"])
             save_checkpoint(fabric, ckpt_dir, f"step-{state['step']:06d}", state, args.keep_last)
     if stop:
+        for logger in fabric.loggers:
+            logger.finalize("preempted")  # this segment's metrics stay on disk
         fabric.print(f"preempted: saved a checkpoint at step {state['step']}; rerun with --resume auto")
         preemption.exit(fabric)  # status EXIT_PREEMPTED (75)
     if not val or val.get("step") != state["step"]:  # the last step fell inside an epoch: validate the final model
         val = validate(fabric, model, val_loader, num_labels, state, ckpt_dir, state["step"])
     train_time = time.perf_counter() - train_start
+    rows, tokens, tokens_sq = counts.tolist()
 
     # ---- test the best model -----------------------------------------------------------------------------------------
     fabric.load(ckpt_dir / "best" / "state", {"model": model})
@@ -174,9 +182,9 @@ def main(argv=None):
         "steps": state["step"], "epochs": state["epoch"] + (state["batch_in_epoch"] > 0),
         "world_size": fabric.world_size, "precision": fabric.strategy.precision.precision,
         "strategy": type(fabric.strategy).__name__, "train_time_s": train_time,
-        "train_samples_per_s": sum_over_ranks(fabric, samples) / train_time,
+        "train_samples_per_s": sum_over_ranks(fabric, rows) / train_time,
         "train_tokens_per_s": sum_over_ranks(fabric, tokens) / train_time,
-        "mfu": mfu(throughput, fabric, flops, train_time),
+        "mfu": mfu(throughput, fabric, flops_of(rows, tokens, tokens_sq), train_time),
         "peak_memory_mb": peak_memory_mb(fabric.device),
         "environment": env, "config": vars(args),
     }

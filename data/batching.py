@@ -7,6 +7,7 @@ rank in every forward), so a rank that is one row short repeats one row, which `
 lets the loop ignore.
 """
 
+import functools
 import math
 
 import torch
@@ -73,10 +74,19 @@ class EvalBatchSampler(Sampler[list[int]]):
 
 
 def make_collator(tokenizer, pad_to_max_length: bool, max_length: int, pad_to_multiple_of: int):
-    """Pads each batch to its longest row (rounded up for tensor-core friendly shapes), or to ``max_length``."""
+    """Pads each batch to its longest row (rounded up for tensor-core friendly shapes), or to ``max_length``.
+
+    Batches come out as plain dicts: Fabric moves a dict's tensors one by one with ``non_blocking=True``, but calls a
+    ``BatchEncoding``'s own ``.to(device)``, a blocking copy that waits for the GPU on every batch."""
     if pad_to_max_length:
-        return DataCollatorWithPadding(tokenizer, padding="max_length", max_length=max_length)
-    return DataCollatorWithPadding(tokenizer, padding="longest", pad_to_multiple_of=pad_to_multiple_of)
+        pad = DataCollatorWithPadding(tokenizer, padding="max_length", max_length=max_length)
+    else:
+        pad = DataCollatorWithPadding(tokenizer, padding="longest", pad_to_multiple_of=pad_to_multiple_of)
+    return functools.partial(_padded_dict, pad)  # not a lambda: workers started by "spawn" must pickle it
+
+
+def _padded_dict(pad, rows) -> dict:
+    return dict(pad(rows))
 
 
 def make_dataloaders(tokenized, collator, batch_size, eval_batch_size, world_size, rank, seed,

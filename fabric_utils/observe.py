@@ -110,8 +110,12 @@ class Progress:
         self.seen += len(labels)
 
     def log(self, step: int, lr: float) -> dict:
-        metrics = {"train/loss": float(self.loss_sum) / max(self.seen, 1),
-                   "train/acc": float(self.correct) / max(self.seen, 1), "lr": lr}
+        """Loss and accuracy since the last log over all ranks: every rank gets the same numbers, so a check on
+        them (a non-finite loss) stops all ranks together instead of leaving the others waiting in a collective."""
+        sums = torch.stack([torch.as_tensor(x, dtype=torch.float32, device=self.fabric.device)
+                            for x in (self.loss_sum, self.correct, self.seen)])
+        loss_sum, correct, seen = self.fabric.all_reduce(sums, reduce_op="sum").tolist()  # syncs: log steps only
+        metrics = {"train/loss": loss_sum / max(seen, 1), "train/acc": correct / max(seen, 1), "lr": lr}
         self.fabric.log_dict(metrics, step=step)
         self.loss_sum = self.correct = self.seen = 0
         self.step, self.metrics = step, metrics
@@ -122,8 +126,10 @@ class Progress:
             return
         shown = {"loss": f"{self.metrics['train/loss']:.4f}", "acc": f"{self.metrics['train/acc']:.3f}",
                  "lr": f"{self.metrics['lr']:.2e}"}
-        if "throughput/samples_per_sec" in throughput:
-            shown["samples/s"] = f"{throughput['throughput/samples_per_sec']:.1f}"
+        # the monitor reports rates once its window is full; "samples_per_sec" (all ranks) only with several
+        samples_per_sec = throughput.get("samples_per_sec", throughput.get("device/samples_per_sec"))
+        if samples_per_sec is not None:
+            shown["samples/s"] = f"{samples_per_sec:.1f}"
         if self.bar is not None:
             self.bar.n = self.step
             self.bar.set_postfix(shown, refresh=True)

@@ -25,10 +25,12 @@ def default_num_workers(fabric) -> int:
 
 
 def training_flops_fn(config, max_length: int):
-    """Returns ``flops(lengths)``: the FLOPs of forward and backward for rows of the given non-padding lengths.
+    """Returns ``flops(rows, tokens, tokens_sq)``: the FLOPs of forward and backward over ``rows`` rows holding
+    ``tokens`` non-padding tokens in all, ``tokens_sq`` the sum of each row's length squared.
 
     Fabric's ``measure_flops`` counts them on a meta-device copy of the model (no memory, no time) at three lengths;
-    a quadratic in the length (linear layers + attention) fits them exactly and prices any row.
+    a quadratic in the length (linear layers + attention) fits them exactly, so the loop only keeps three sums on
+    the device and never copies anything per step.
     """
     from transformers import AutoModelForSequenceClassification
 
@@ -39,12 +41,11 @@ def training_flops_fn(config, max_length: int):
     for length in points:
         ids = torch.zeros(1, length, dtype=torch.long, device="meta")
         measured.append(measure_flops(meta_model, lambda: meta_model(input_ids=ids).logits, lambda y: y.sum()))
-    coeffs = np.polyfit(points, measured, deg=min(2, len(points) - 1))
-    c = torch.tensor(coeffs[::-1].copy(), dtype=torch.float64)
+    coeffs = np.polyfit(points, measured, deg=min(2, len(points) - 1))[::-1].tolist()  # constant term first
+    c0, c1, c2 = coeffs + [0.0] * (3 - len(coeffs))
 
-    def flops(lengths: torch.Tensor) -> torch.Tensor:
-        n = lengths.to(torch.float64)
-        return sum(c[i].to(n.device) * n**i for i in range(len(c))).sum()
+    def flops(rows: int, tokens: int, tokens_sq: int) -> float:
+        return c0 * rows + c1 * tokens + c2 * tokens_sq
     return flops
 
 
@@ -74,6 +75,12 @@ def warm_up(fabric, model, loader) -> None:
     with torch.no_grad():
         model(**batch)
     model.train()
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """CUDA only: a process's peak resident memory on a CPU cannot be reset."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
 
 
 def peak_memory_mb(device: torch.device) -> float:

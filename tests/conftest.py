@@ -14,6 +14,15 @@ SMALL_DEMO = ["--demo", "--train-size", "400", "--val-size", "101", "--test-size
               "--max-length", "64", "--quiet", "--num-workers", "0"]
 
 
+@pytest.fixture(scope="module")
+def demo_tokenizer(tmp_path_factory):
+    from data.demo import prepare_demo
+    from fabric_utils.modeling import load_tokenizer
+
+    _, model = prepare_demo(tmp_path_factory.mktemp("demo"))
+    return load_tokenizer(str(model))
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -5,11 +5,9 @@ import pytest
 import torch
 
 from data.batching import EvalBatchSampler, TrainBatchSampler, make_collator
-from data.demo import prepare_demo
 from data.sources import load_splits
 from data.tokenize import tokenize_splits
 from fabric_utils.errors import UserError
-from fabric_utils.modeling import load_tokenizer
 
 REVIEWS = [("a great film", "pos"), ("dull and slow", "neg"), ("quite good", "pos"), ("awful", "neg"),
            ("fine acting", "neutral")] * 20
@@ -19,12 +17,6 @@ def write(frame: pd.DataFrame, path):
     {".parquet": frame.to_parquet, ".csv": frame.to_csv,
      ".jsonl": lambda p, index: frame.to_json(p, orient="records", lines=True)}[path.suffix](path, index=False)
     return path
-
-
-@pytest.fixture(scope="module")
-def demo_tokenizer(tmp_path_factory):
-    _, model = prepare_demo(tmp_path_factory.mktemp("demo"))
-    return load_tokenizer(str(model))
 
 
 @pytest.mark.parametrize("suffix", [".parquet", ".csv", ".jsonl"])

@@ -4,6 +4,7 @@ that --resume auto can trust, --keep-last, the exported model, and a loss that g
 Every run is ``python train.py`` in a subprocess on the CPU. To keep the module at about a minute and a half on two
 shared cores, the single-process runs start together in one fixture and each test checks its part of them."""
 
+import csv
 import json
 import os
 import re
@@ -171,6 +172,9 @@ def test_sigterm_saves_a_checkpoint_and_exits_75_then_resume_completes(runs):
     assert 20 <= step < MAX_STEPS
     assert f"step-{step:06d}" in info["termed_steps"]
     assert "Traceback" not in out
+    with open(jobs["termed"].out_dir / "logs" / "version_0" / "metrics.csv") as f:  # the stopped segment's log
+        logged = [int(row["step"]) for row in csv.DictReader(f) if row.get("train/loss")]
+    assert logged and max(logged) >= step - 5, logged  # logged every 5 steps, up to where it stopped
     resumed = jobs["termed_resume"].results()
     assert resumed_step(jobs["termed_resume"].output()) == step
     full = jobs["full"].results()
