@@ -1,11 +1,13 @@
 """Fine-tune a Hugging Face transformer for text classification with Lightning Fabric.
 
-    python train.py --demo                                        # offline, CPU, under two minutes
+    python train.py --demo                                        # offline, CPU, about a minute
     python train.py --dataset ../shared/data/imdb --model PATH --devices 2
     fabric run --devices 4 --strategy deepspeed_stage_2 train.py --dataset stanfordnlp/imdb
 
 Fabric launches the processes, places model, optimizer and batches, and runs backward; everything else is the
-plain PyTorch loop below, meant to be edited. Read it top to bottom: setup -> data -> model -> fit -> test.
+plain PyTorch loop below, meant to be edited. It reads top to bottom in the order it runs:
+setup() -> main() -> fit() -> validate() -> finish(). What makes the job text classification (data, model, loss,
+metrics, export) is in task.py.
 """
 
 import json
@@ -14,121 +16,136 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torchmetrics import MeanMetric, SumMetric
-from torchmetrics.classification import MulticlassAccuracy
 
+import task
 from data.batching import make_collator, make_dataloaders
-from data.demo import prepare_demo
-from data.sources import load_splits
-from data.tokenize import tokenize_splits
-from fabric_utils.args import parse_args
-from fabric_utils.batch_size import find_batch_size
+from fabric_utils.args import build_parser, parse_flags
 from fabric_utils.checkpoint import find_resume_checkpoint, load_checkpoint, save_checkpoint
 from fabric_utils.errors import UserError, exit_on_user_error
 from fabric_utils.export import export_model
 from fabric_utils.launcher import build_fabric, clips_in_loop, launch
-from fabric_utils.modeling import load_model, load_tokenizer
-from fabric_utils.observe import (Progress, environment_report, make_loggers, plot_metrics, prepare_out_dir,
-                                  quiet_libraries, save_config)
+from fabric_utils.loggers import make_loggers, plot_metrics
 from fabric_utils.optim import build_optimizer, build_scheduler, count_warmup_steps
 from fabric_utils.preemption import Preemption
-from fabric_utils.speed import (configure_backends, default_num_workers, make_throughput_monitor, mfu, peak_memory_mb,
-                                reset_peak_memory, training_flops_fn, warm_up)
+from fabric_utils.progress import Progress
+from fabric_utils.run_folder import environment_report, prepare_out_dir, save_config
+from fabric_utils.speed import (Throughput, configure_backends, default_num_workers, peak_memory_mb, training_flops_fn,
+                                warm_up)
+
+
+def flag_parser():
+    """Every flag: the loop's (launch, optimization, speed, checkpoints, logging) and the task's (data, model)."""
+    parser = build_parser(description=__doc__.splitlines()[0])
+    task.add_args(parser)
+    return parser
+
+
+def parse_args(argv=None):
+    return parse_flags(flag_parser(), argv, presets={"demo": task.DEMO_DEFAULTS})
 
 
 @exit_on_user_error
-def main(argv=None):
-    # ---- setup -------------------------------------------------------------------------------------------------
+def setup(argv=None) -> dict:
     args = parse_args(argv)
     out_dir = prepare_out_dir(args.out_dir)
-    fabric = build_fabric(args, loggers=make_loggers(args.logger, out_dir))  # Fabric step 1: configure
-    launch(fabric)                                                            # Fabric step 2: start processes
+    fabric = build_fabric(accelerator=args.accelerator, devices=args.devices, num_nodes=args.num_nodes,
+                          strategy=args.strategy, precision=args.precision, grad_clip=args.grad_clip,
+                          grad_accum=args.grad_accum, loggers=make_loggers(args.logger, out_dir))  # Fabric step 1
+    launch(fabric)                                                                           # Fabric step 2
     out_dir = Path(fabric.broadcast(str(out_dir)))  # ranks started apart in time agree on rank 0's folder
+    return main(fabric, args, out_dir)
+
+
+def main(fabric, args, out_dir: Path) -> dict:
     fabric.seed_everything(args.seed)
-    quiet_libraries(fabric, args.quiet)
+    task.quiet_libraries(args.quiet or not fabric.is_global_zero)
     preemption = Preemption()  # from here on, SIGTERM/SIGUSR1 lead to a checkpoint, not a lost run
     configure_backends(fabric.device)
     env = environment_report(fabric)
     if fabric.is_global_zero and not args.quiet:
         fabric.print(json.dumps(env, indent=1))
 
-    # ---- data: rank 0 of each node loads and tokenizes first; the others then read its cache ---------------------
-    with fabric.rank_zero_first(local=True):
-        if args.demo:
-            args.dataset, args.model = map(str, prepare_demo(Path.home() / ".cache" / "fabric-template" / "demo"))
-        data = load_splits(args.dataset, args.text_column, args.label_column, args.seed,
-                           args.train_size, args.val_size, args.test_size)
-        tokenizer = load_tokenizer(args.model)
-        tokenized = tokenize_splits(data.splits, tokenizer, args.text_column, args.max_length)
-    num_labels = len(data.label_names)
-
-    # ---- model and optimizer -------------------------------------------------------------------------------------
-    model = load_model(args, data.label_names)
-    meta = {"model": args.model, "labels": data.label_names}
+    with fabric.rank_zero_first(local=True):  # rank 0 of each node tokenizes first; the others read its cache
+        data = task.load_data(dataset=args.dataset, model=args.model, demo=args.demo, text_column=args.text_column,
+                              label_column=args.label_column, max_length=args.max_length, seed=args.seed,
+                              train_size=args.train_size, val_size=args.val_size, test_size=args.test_size)
+    model = task.build_model(data.model_source, data.label_names, attention_dropout=args.attention_dropout,
+                             hidden_dropout=args.hidden_dropout, grad_checkpointing=args.grad_checkpointing)
     save_config(fabric, args, out_dir)  # only now: bad data or model must leave the folder untouched
-    if args.batch_size == "auto":
-        args.batch_size = find_batch_size(fabric, args, model, tokenizer)
-    collator = make_collator(tokenizer, args.pad_to_max_length, args.max_length, args.pad_to_multiple_of)
-    train_loader, val_loader, test_loader = make_dataloaders(
-        tokenized, collator, args.batch_size, args.eval_batch_size or 2 * args.batch_size, fabric.world_size,
-        fabric.global_rank, args.seed, args.group_by_length,
-        args.num_workers if args.num_workers is not None else default_num_workers(fabric),
+    loaders = make_dataloaders(
+        data.splits, make_collator(data.tokenizer, args.pad_to_max_length, args.max_length, args.pad_to_multiple_of),
+        batch_size=args.batch_size, eval_batch_size=args.eval_batch_size or 2 * args.batch_size,
+        world_size=fabric.world_size, rank=fabric.global_rank, seed=args.seed, group_by_length=args.group_by_length,
+        num_workers=default_num_workers(fabric) if args.num_workers is None else args.num_workers,
         pin_memory=fabric.device.type == "cuda")
-    train_sampler = train_loader.batch_sampler
-    steps_per_epoch = math.ceil(len(train_loader) / args.grad_accum)
-    max_steps = args.max_steps or args.epochs * steps_per_epoch
+    max_steps = args.max_steps or args.epochs * math.ceil(len(loaders["train"]) / args.grad_accum)
 
-    optimizer = build_optimizer(model, args, fabric.device)
+    flops_of = training_flops_fn(model, lambda m, n: step_loss(m, task.dummy_batch(1, n, len(data.tokenizer), "meta")),
+                                 max_length=args.max_length)  # FLOPs of a step, for MFU
+    if args.compile:  # one dynamic-shape graph for every padded length, instead of a recompile per length
+        model = torch.compile(model, mode=args.compile_mode, dynamic=True)
+    optimizer = build_optimizer(model, name=args.optimizer, lr=args.lr, weight_decay=args.weight_decay,
+                                device=fabric.device)
     # on the plain optimizer: DeepSpeed's wrapper is no torch Optimizer, but steps the same parameter groups
-    scheduler = build_scheduler(optimizer, args.scheduler, args.lr, max_steps,
-                                count_warmup_steps(args.warmup, max_steps))
-    model, optimizer = fabric.setup(model, optimizer)                               # Fabric step 3: wrap
+    scheduler = build_scheduler(optimizer, args.scheduler, lr=args.lr, max_steps=max_steps,
+                                warmup_steps=count_warmup_steps(args.warmup, max_steps))
+    model, optimizer = fabric.setup(model, optimizer)                                         # Fabric step 3
     # the samplers already shard rows across ranks, so Fabric only moves batches to the device
-    train_loader, val_loader, test_loader = fabric.setup_dataloaders(
-        train_loader, val_loader, test_loader, use_distributed_sampler=False)
+    loaders = dict(zip(loaders, fabric.setup_dataloaders(*loaders.values(), use_distributed_sampler=False)))
 
-    # ---- resume ------------------------------------------------------------------------------------------------------
-    ckpt_dir = out_dir / "checkpoints"
+    meta = {"model": data.model_source, "labels": data.label_names}
     state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "step": 0, "epoch": 0,
-             "batch_in_epoch": 0, "best_val_acc": -1.0, "meta": meta, "config": vars(args)}
-    resume_from = find_resume_checkpoint(args.resume, ckpt_dir)
+             "batch_in_epoch": 0, "best_val": {}, "meta": meta, "config": vars(args)}
+    resume_from = find_resume_checkpoint(args.resume, out_dir / "checkpoints")
     if resume_from:
         load_checkpoint(fabric, resume_from, state, expected_meta=meta)
         fabric.print(f"resumed from {resume_from} at step {state['step']}")
 
-    # ---- fit ---------------------------------------------------------------------------------------------------------
-    progress = Progress(fabric, max_steps, args.quiet)
-    throughput = make_throughput_monitor(fabric, args.peak_tflops)
-    flops_of = training_flops_fn(model.module.config, args.max_length)
-    # rows, tokens and tokens² seen by this process, summed on the device: read only at log steps (host-device sync)
-    counts = torch.zeros(3, dtype=torch.int64, device=fabric.device)
-    check_finite = fabric.strategy.precision.precision != "16-mixed"  # the loss scaler skips non-finite steps itself
-    model.train()  # from_pretrained returns the model in eval mode: dropout would stay off
+    if fit(fabric, args, state, loaders, preemption, out_dir / "checkpoints", max_steps, flops_of,
+           num_labels=len(data.label_names)):
+        for logger in fabric.loggers:
+            logger.finalize("preempted")  # this segment's metrics stay on disk
+        fabric.print(f"preempted: saved a checkpoint at step {state['step']}; rerun with --resume auto")
+        preemption.exit(fabric)  # status EXIT_PREEMPTED (75)
+    return finish(fabric, args, state, loaders, out_dir, data, env)
+
+
+def step_loss(model, batch) -> torch.Tensor:
+    return task.loss(task.forward(model, batch), batch)
+
+
+def micro_batches(loader, grad_accum: int, start: int):
+    """Yields ``(batch, group_size, is_last)`` for the rest of the epoch from batch ``start`` on: how many micro-batches
+    the batch's optimizer step averages (the epoch's last group may be short), and whether it is the group's last."""
+    epoch_batches = start + len(loader)
+    for position, batch in enumerate(loader, start=start):
+        group_size = min(grad_accum, epoch_batches - (position - position % grad_accum))
+        yield batch, group_size, (position + 1) % grad_accum == 0 or position + 1 == epoch_batches
+
+
+def fit(fabric, args, state, loaders, preemption, ckpt_dir, max_steps, flops_of, num_labels) -> bool:
+    """Trains until ``max_steps``, early stopping or preemption; returns whether it was preempted."""
+    model, optimizer, scheduler, train_loader = state["model"], state["optimizer"], state["scheduler"], loaders["train"]
+    progress = Progress(fabric, max_steps, args.quiet, metrics=task.make_metrics(num_labels))
+    monitor = Throughput(fabric, args.peak_tflops, flops_of)
     if args.compile:
-        warm_up(fabric, model, train_loader)
+        warm_up(fabric, model, next(iter(train_loader)), step_loss)
     fabric.barrier()
-    reset_peak_memory(fabric.device)  # from here on: not the batch-size finder's or the warm-up's peak
-    train_start, start_step = time.perf_counter(), state["step"]
-    val = {}
-    stop = False
-    flops_logged = 0.0
+    monitor.start(state["step"])
+    stale, preempted, stop = 0, False, False
     while state["step"] < max_steps and not stop:
-        train_sampler.set_epoch(state["epoch"], start_batch=state["batch_in_epoch"])
-        batches_left = len(train_loader)
-        for batch in train_loader:
-            # a group of grad_accum micro-batches makes one optimizer step; DDP all-reduces only on the last
-            group_size = min(args.grad_accum, batches_left + state["batch_in_epoch"] % args.grad_accum)
-            batches_left -= 1
+        train_loader.batch_sampler.set_epoch(state["epoch"], start_batch=state["batch_in_epoch"])
+        epoch_batches = state["batch_in_epoch"] + len(train_loader)  # the sampler skips what a resume has done
+        for batch, group_size, is_last in micro_batches(train_loader, args.grad_accum, state["batch_in_epoch"]):
             state["batch_in_epoch"] += 1
-            is_accumulating = state["batch_in_epoch"] % args.grad_accum != 0 and batches_left > 0
-            with fabric.no_backward_sync(model, enabled=is_accumulating):
-                outputs = model(**batch)
-                fabric.backward(outputs.loss / group_size)                    # Fabric step 4: backward
-            progress.accumulate(outputs.loss.detach(), outputs.logits.detach(), batch["labels"])
-            lengths = batch["attention_mask"].sum(dim=1)
-            counts += torch.stack((torch.ones_like(lengths).sum(), lengths.sum(), (lengths * lengths).sum()))
-            if is_accumulating:
+            with fabric.no_backward_sync(model, enabled=not is_last):  # DDP all-reduces only on the last
+                logits = task.forward(model, batch)
+                loss = task.loss(logits, batch)
+                fabric.backward(loss / group_size)                                           # Fabric step 4
+            progress.update(loss, logits, batch["labels"])
+            monitor.count(batch["attention_mask"].sum(dim=1))
+            if not is_last:
                 continue
             if args.grad_clip and clips_in_loop(fabric):  # DeepSpeed clips inside optimizer.step()
                 # no error on a non-finite norm: checking it is a sync, and 16-mixed's scaler skips those steps
@@ -140,99 +157,92 @@ def main(argv=None):
             step = state["step"]
 
             if step % args.log_every == 0 or step == max_steps:  # the only host-device syncs of the hot loop
-                metrics = progress.log(step, scheduler.get_last_lr()[0])
-                if check_finite and not math.isfinite(metrics["train/loss"]):  # the same on every rank: all stop
-                    raise UserError(f"the training loss became {metrics['train/loss']} by step {step}: lower --lr "
-                                    f"(now {args.lr}), keep --grad-clip on, or use --precision bf16-mixed/32-true")
-                rows, tokens, tokens_sq = counts.tolist()  # host-device sync, as the loss above: log steps only
-                throughput.update(time=time.perf_counter() - train_start, batches=step - start_step, samples=rows,
-                                  lengths=tokens, flops=flops_of(rows, tokens, tokens_sq) - flops_logged)
-                flops_logged = flops_of(rows, tokens, tokens_sq)  # the monitor takes FLOPs since its last update
-                progress.show(throughput.compute_and_log(step=step))
-            stop = preemption.agreed(fabric, check_now=step % args.log_every == 0)
-            if args.val_every and step % args.val_every == 0:
-                val = validate(fabric, model, val_loader, num_labels, state, ckpt_dir, step)
-            if args.save_every and step % args.save_every == 0 or stop:
+                log_step(fabric, progress, monitor, step, lr=scheduler.get_last_lr()[0], max_lr=args.lr)
+            preempted = preemption.agreed(fabric, check_now=step % args.log_every == 0)
+            epoch_ends = state["batch_in_epoch"] == epoch_batches
+            if epoch_ends or (args.val_every and step % args.val_every == 0) or step == max_steps:
+                val = validate(fabric, model, loaders["validation"], num_labels, step)
+                if val[task.BEST_METRIC] > state["best_val"].get(task.BEST_METRIC, -math.inf):
+                    state["best_val"], stale = val, 0  # the best model so far is kept as checkpoints/best
+                    save_checkpoint(fabric, ckpt_dir, "best", {"model": model, "meta": state["meta"], "step": step})
+                else:
+                    stale += 1
+            stop = preempted or bool(args.early_stop and stale >= args.early_stop)
+            if epoch_ends:
+                state["epoch"], state["batch_in_epoch"] = state["epoch"] + 1, 0
+            if (args.save_every and step % args.save_every == 0) or epoch_ends or stop:
                 save_checkpoint(fabric, ckpt_dir, f"step-{step:06d}", state, args.keep_last)
+                for logger in fabric.loggers:
+                    logger.save()  # the metrics up to this checkpoint survive a kill
             if stop or step >= max_steps:
                 break
-        else:  # the epoch ran to its end
-            state["epoch"] += 1
-            state["batch_in_epoch"] = 0
-            if val.get("step") != state["step"]:  # not just validated by --val-every
-                val = validate(fabric, model, val_loader, num_labels, state, ckpt_dir, state["step"])
-            save_checkpoint(fabric, ckpt_dir, f"step-{state['step']:06d}", state, args.keep_last)
-    if stop:
-        for logger in fabric.loggers:
-            logger.finalize("preempted")  # this segment's metrics stay on disk
-        fabric.print(f"preempted: saved a checkpoint at step {state['step']}; rerun with --resume auto")
-        preemption.exit(fabric)  # status EXIT_PREEMPTED (75)
-    if not val or val.get("step") != state["step"]:  # the last step fell inside an epoch: validate the final model
-        val = validate(fabric, model, val_loader, num_labels, state, ckpt_dir, state["step"])
-    train_time = time.perf_counter() - train_start
-    rows, tokens, tokens_sq = counts.tolist()
+    state["throughput"] = monitor.stop()
+    return preempted
 
-    # ---- test the best model -----------------------------------------------------------------------------------------
-    fabric.load(ckpt_dir / "best" / "state", {"model": model})
-    test = evaluate(model, test_loader, num_labels, fabric.device)
-    export_model(fabric, ckpt_dir / "best" / "state", model.module.config, tokenizer, out_dir / "model")
+
+def log_step(fabric, progress, monitor, step, lr, max_lr) -> None:
+    logged = progress.log(step, lr)
+    # every rank sees the same loss, so all stop here together; 16-mixed's scaler skips non-finite steps itself
+    if not math.isfinite(logged["train/loss"]) and fabric.strategy.precision.precision != "16-mixed":
+        raise UserError(f"the training loss became {logged['train/loss']} by step {step}: lower --lr (now {max_lr}), "
+                        f"keep --grad-clip on, or use --precision bf16-mixed/32-true")
+    progress.show(monitor.log(step))
+
+
+def validate(fabric, model, loader, num_labels, step) -> dict:
+    """Evaluates on the validation split and logs the result."""
+    val = evaluate(fabric, model, loader, num_labels)
+    fabric.log_dict({f"val/{name}": value for name, value in val.items() if name != "examples"}, step=step)
+    fabric.print(f"step {step}: " + ", ".join(f"val {k} {v:.4f}" for k, v in val.items() if k != "examples"))
+    return val
+
+
+@torch.no_grad()
+def evaluate(fabric, model, loader, num_labels) -> dict:
+    """Loss and the task's metrics over every row of the split exactly once, summed over all ranks."""
+    model.eval()
+    mean_loss, rows = MeanMetric().to(fabric.device), SumMetric().to(fabric.device)
+    metrics = task.make_metrics(num_labels).to(fabric.device)
+    remaining = loader.batch_sampler.num_real  # the rest repeat a row so all ranks run the same number of batches
+    for batch in loader:
+        real = min(len(batch["labels"]), remaining)
+        remaining -= real
+        if real == 0:
+            continue
+        batch = {name: value[:real] for name, value in batch.items()}
+        logits = task.forward(model, batch)
+        mean_loss.update(task.loss(logits, batch, reduction="none"))
+        metrics.update(logits, batch["labels"])
+        rows.update(real)
+    model.train()
+    return {"loss": mean_loss.compute().item(), **{k: v.item() for k, v in metrics.compute().items()},
+            "examples": int(rows.compute().item())}
+
+
+def finish(fabric, args, state, loaders, out_dir, data, env) -> dict:
+    """Tests the best model, exports it and writes results.json."""
+    model, best = state["model"], out_dir / "checkpoints" / "best" / "state"
+    fabric.load(best, {"model": model})
+    test = evaluate(fabric, model, loaders["test"], len(data.label_names))
+    export_model(fabric, best, out_dir / "model",
+                 write=lambda weights, folder: task.export(weights, model.config, data.tokenizer, folder))
     results = {
-        "val_acc": state["best_val_acc"], "val_loss": val["loss"], "test_acc": test["acc"], "test_loss": test["loss"],
-        "test_examples": test["examples"], "val_examples": val["examples"], "train_examples": len(tokenized["train"]),
-        "steps": state["step"], "epochs": state["epoch"] + (state["batch_in_epoch"] > 0),
-        "world_size": fabric.world_size, "precision": fabric.strategy.precision.precision,
-        "strategy": type(fabric.strategy).__name__, "train_time_s": train_time,
-        "train_samples_per_s": sum_over_ranks(fabric, rows) / train_time,
-        "train_tokens_per_s": sum_over_ranks(fabric, tokens) / train_time,
-        "mfu": mfu(throughput, fabric, flops_of(rows, tokens, tokens_sq), train_time),
-        "peak_memory_mb": peak_memory_mb(fabric.device),
-        "environment": env, "config": vars(args),
+        **{f"val_{k}": v for k, v in state["best_val"].items()}, **{f"test_{k}": v for k, v in test.items()},
+        "train_examples": len(data.splits["train"]), "steps": state["step"],
+        "epochs": state["epoch"] + (state["batch_in_epoch"] > 0), "world_size": fabric.world_size,
+        "precision": fabric.strategy.precision.precision, "strategy": type(fabric.strategy).__name__,
+        **state["throughput"], "peak_memory_mb": peak_memory_mb(fabric.device), "environment": env,
+        "config": vars(args),
     }
     for logger in fabric.loggers:
         logger.finalize("success")  # flushes metrics.csv, which the plots read
     if fabric.is_global_zero:
         (out_dir / "results.json").write_text(json.dumps(results, indent=2))
         plot_metrics(out_dir)
-    fabric.print(f"test accuracy {test['acc']:.4f} on {test['examples']} rows; results in {out_dir}/results.json")
+    fabric.print(f"test {task.BEST_METRIC} {test[task.BEST_METRIC]:.4f} on {test['examples']} rows; "
+                 f"results in {out_dir}/results.json")
     return results
 
 
-def sum_over_ranks(fabric, value) -> float:
-    return float(fabric.all_reduce(torch.as_tensor(value, dtype=torch.float64, device=fabric.device), reduce_op="sum"))
-
-
-def validate(fabric, model, val_loader, num_labels, state, ckpt_dir, step):
-    """Evaluates on the validation split, logs it, and keeps the best model so far as checkpoints/best."""
-    val = evaluate(model, val_loader, num_labels, fabric.device)
-    val["step"] = step
-    fabric.log_dict({"val/loss": val["loss"], "val/acc": val["acc"]}, step=step)
-    fabric.print(f"step {step}: val loss {val['loss']:.4f}, val acc {val['acc']:.4f}")
-    if val["acc"] > state["best_val_acc"]:
-        state["best_val_acc"] = val["acc"]
-        save_checkpoint(fabric, ckpt_dir, "best", {"model": model, "meta": state["meta"], "step": step})
-    return val
-
-
-@torch.no_grad()
-def evaluate(model, loader, num_labels, device) -> dict:
-    """Loss and accuracy over every row of the split exactly once, summed over all ranks."""
-    model.eval()
-    loss, acc, count = (m.to(device) for m in (MeanMetric(), MulticlassAccuracy(num_labels, average="micro"),
-                                                SumMetric()))
-    remaining = loader.batch_sampler.num_real
-    for batch in loader:
-        logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits.float()
-        real = min(len(logits), remaining)  # the rest repeat a row so all ranks run the same number of batches
-        remaining -= real
-        if real == 0:
-            continue
-        logits, labels = logits[:real], batch["labels"][:real]
-        loss.update(F.cross_entropy(logits, labels, reduction="none"))
-        acc.update(logits, labels)
-        count.update(real)
-    model.train()
-    return {"loss": loss.compute().item(), "acc": acc.compute().item(), "examples": int(count.compute().item())}
-
-
 if __name__ == "__main__":
-    main()
+    setup()

@@ -89,9 +89,9 @@ def _padded_dict(pad, rows) -> dict:
     return dict(pad(rows))
 
 
-def make_dataloaders(tokenized, collator, batch_size, eval_batch_size, world_size, rank, seed,
-                     group_by_length, num_workers, pin_memory):
-    """Train, validation and test loaders; the samplers already shard across ranks."""
+def make_dataloaders(tokenized, collator, *, batch_size, eval_batch_size, world_size, rank, seed, group_by_length,
+                     num_workers, pin_memory) -> dict:
+    """``{"train", "validation", "test"}`` loaders; the samplers already shard across ranks."""
     def loader(split, batch_sampler):
         dataset = split.remove_columns("length").with_format("torch")
         return DataLoader(dataset, batch_sampler=batch_sampler, collate_fn=collator, num_workers=num_workers,
@@ -100,10 +100,8 @@ def make_dataloaders(tokenized, collator, batch_size, eval_batch_size, world_siz
                           # so creating an iterator mid-epoch after a resume does not shift the dropout masks
                           generator=torch.Generator().manual_seed(seed))
 
-    train = loader(tokenized["train"], TrainBatchSampler(tokenized["train"]["length"], batch_size, world_size,
-                                                         rank, seed, group_by_length))
-    val = loader(tokenized["validation"], EvalBatchSampler(tokenized["validation"]["length"], eval_batch_size,
-                                                           world_size, rank))
-    test = loader(tokenized["test"], EvalBatchSampler(tokenized["test"]["length"], eval_batch_size, world_size,
-                                                      rank))
-    return train, val, test
+    lengths = {name: split["length"] for name, split in tokenized.items()}
+    samplers = {"train": TrainBatchSampler(lengths["train"], batch_size, world_size, rank, seed, group_by_length),
+                **{name: EvalBatchSampler(lengths[name], eval_batch_size, world_size, rank)
+                   for name in ("validation", "test")}}
+    return {name: loader(tokenized[name], sampler) for name, sampler in samplers.items()}

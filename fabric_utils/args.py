@@ -1,4 +1,5 @@
-"""Every flag of train.py, grouped by purpose. ``--config FILE`` (YAML) sets defaults; flags on the command line win."""
+"""The training loop's flags, grouped by purpose, and their parsing. ``--config FILE`` (YAML) sets defaults; flags on
+the command line win. The task's own flags (data, model) are added by ``task.add_args``."""
 
 import argparse
 import os
@@ -51,33 +52,12 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return action.help if action.default is None else super()._get_help_string(action)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description="Fine-tune a transformer for text classification with Lightning Fabric.",
-                                formatter_class=HelpFormatter)
+def build_parser(description: str) -> argparse.ArgumentParser:
+    """The flags of the training loop, whatever the task: launch, optimization, speed, checkpoints and logging.
+    The task adds its own (data, model) to the parser this returns."""
+    p = argparse.ArgumentParser(description=description, formatter_class=HelpFormatter)
     p.add_argument("--config", help="YAML file of flag values (as written to config.yaml); flags given here win")
-    p.add_argument("--demo", action="store_true",
-                   help="offline run on a synthetic dataset with a tiny model built locally (overrides --dataset "
-                        "and --model)")
     add_launch_args(p)
-
-    g = p.add_argument_group("data")
-    g.add_argument("--dataset", default="stanfordnlp/imdb", help="hub id, local file (.parquet/.csv/.json/.jsonl) "
-                   "or folder with train/validation/test files")
-    g.add_argument("--text-column", default="text")
-    g.add_argument("--label-column", default="label")
-    g.add_argument("--train-size", type=positive_int, help="use a random subset of this many training rows")
-    g.add_argument("--val-size", type=positive_int, help="validation rows (carved from train if the data has none; "
-                   "default 5,000 or a fifth of train)")
-    g.add_argument("--test-size", type=positive_int, help="use a random subset of this many test rows")
-    g.add_argument("--max-length", type=positive_int, default=512, help="truncate texts to this many tokens")
-
-    g = p.add_argument_group("model")
-    g.add_argument("--model", default="distilbert-base-uncased", help="hub id or local folder")
-    g.add_argument("--attention-dropout", type=dropout, default=0.0,
-                   help="attention-probability dropout, or 'model' for the model's own; 0 skips drawing a random "
-                        "mask over every attention matrix, which halved the step time on CPU (bench/RESULTS.md)")
-    g.add_argument("--hidden-dropout", type=dropout, default="model",
-                   help="hidden-state dropout, or 'model' for the model's own")
 
     g = p.add_argument_group("optimization")
     g.add_argument("--epochs", type=positive_int, default=3)
@@ -98,12 +78,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=123)
 
     g = p.add_argument_group("speed")
-    g.add_argument("--group-by-length", action=argparse.BooleanOptionalAction, default=True,
-                   help="batch training rows of similar length so per-batch padding stays small")
-    g.add_argument("--pad-to-max-length", action="store_true", help="pad every row to --max-length (the article's "
-                   "recipe; slow)")
-    g.add_argument("--pad-to-multiple-of", type=positive_int, default=8,
-                   help="round each batch's padded length up to a multiple of this (tensor-core friendly)")
     g.add_argument("--compile", action="store_true", help="torch.compile the model (compiled before the clock starts)")
     g.add_argument("--compile-mode", default="default",
                    choices=("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"))
@@ -117,6 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("evaluation, checkpoints and output")
     g.add_argument("--val-every", type=positive_int, help="also validate every N optimizer steps")
     g.add_argument("--out-dir", help="run folder (default: a new folder under runs/)")
+    g.add_argument("--early-stop", type=positive_int, help="stop when the validation metric has not improved for "
+                   "N validations in a row (the best model is still tested and exported)")
     g.add_argument("--save-every", type=positive_int, help="also checkpoint every N optimizer steps")
     g.add_argument("--keep-last", type=positive_int, default=2, help="keep this many newest step checkpoints")
     g.add_argument("--resume", help="auto: continue from the newest checkpoint in --out-dir (fresh start if none); "
@@ -127,19 +103,17 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-# the demo's tiny model starts from random weights: it needs a far larger learning rate than fine-tuning
-DEMO_DEFAULTS = {"lr": 2e-3}
-
-
-def parse_args(argv=None) -> argparse.Namespace:
-    parser = build_parser()
+def parse_flags(parser: argparse.ArgumentParser, argv=None, presets: dict | None = None) -> argparse.Namespace:
+    """Parses ``argv``; ``--config FILE`` values become defaults, and ``presets`` maps a boolean flag to the defaults
+    it brings (``{"demo": {"lr": 2e-3}}``): flags given on the command line win over both."""
     args = parser.parse_args(argv)
     if args.config:
         parser.set_defaults(**load_config(args.config, parser))
         args = parser.parse_args(argv)
-    if args.demo:
-        parser.set_defaults(**DEMO_DEFAULTS)
-        args = parser.parse_args(argv)
+    for flag, defaults in (presets or {}).items():
+        if getattr(args, flag):
+            parser.set_defaults(**defaults)
+            args = parser.parse_args(argv)
     for name in args.logger.split(","):
         if name not in ("csv", "tensorboard"):
             raise UserError(f"unknown logger {name!r}: --logger takes a comma list of csv, tensorboard")

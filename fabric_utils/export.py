@@ -1,10 +1,10 @@
-"""Hand over the best model as a Hugging Face folder that ``from_pretrained`` loads on any machine."""
+"""Hand over the best model: its full weights, gathered from any strategy's checkpoint, written by the task."""
 
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForSequenceClassification
 
 
 def full_state_dict(state_path: Path) -> dict:
@@ -18,15 +18,14 @@ def full_state_dict(state_path: Path) -> dict:
     return _load_distributed_checkpoint(state_path)["model"]
 
 
-def export_model(fabric, best_state: Path, config, tokenizer, out: Path) -> None:
-    """Writes ``out`` (weights, config with label names, tokenizer) on rank 0, atomically."""
+def export_model(fabric, best_state: Path, out: Path, write: Callable[[dict, Path], None]) -> None:
+    """On rank 0, ``write(full_state_dict, folder)`` into a temporary folder that then replaces ``out``, so ``out`` is
+    never half written."""
     if fabric.is_global_zero:
-        model = AutoModelForSequenceClassification.from_config(config)
-        model.load_state_dict(full_state_dict(best_state), strict=True)
         tmp = out.with_name(f".tmp-{out.name}")
         shutil.rmtree(tmp, ignore_errors=True)
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+        tmp.mkdir(parents=True)
+        write(full_state_dict(best_state), tmp)
         shutil.rmtree(out, ignore_errors=True)
         tmp.rename(out)
     fabric.barrier()

@@ -57,12 +57,13 @@ def cli_settings() -> dict:
     return {name: os.environ[f"LT_{name.upper()}"] for name in LAUNCH_SETTINGS if f"LT_{name.upper()}" in os.environ}
 
 
-def resolve_launch_settings(args: argparse.Namespace) -> dict:
-    """The five settings Fabric gets: the CLI's where ``fabric run`` set them, else the flags, else defaults."""
+def resolve_launch_settings(flags: dict) -> dict:
+    """The five settings Fabric gets: the CLI's where ``fabric run`` set them, else ``flags`` (the script's own,
+    None where not given), else defaults."""
     from_cli = cli_settings()
     settings = {}
     for name in LAUNCH_SETTINGS:
-        given = getattr(args, name)
+        given = flags.get(name)
         if name in from_cli:
             if given is not None and str(given) != from_cli[name]:
                 flag = "--" + name.replace("_", "-")
@@ -96,17 +97,20 @@ def cpu_has_native_bf16() -> bool:
     return "amx_bf16" in flags or "avx512_bf16" in flags
 
 
-def build_fabric(args: argparse.Namespace, **fabric_kwargs) -> Fabric:
-    """Builds the Fabric; a setting Fabric rejects (16-mixed on CPU, 3 devices on a 1-GPU machine) becomes a
-    one-line ``UserError``."""
-    settings = resolve_launch_settings(args)
+def build_fabric(accelerator=None, devices=None, num_nodes=None, strategy=None, precision=None, grad_clip=0.0,
+                 grad_accum=1, **fabric_kwargs) -> Fabric:
+    """Builds the Fabric from the launch flags (None: not given); a setting Fabric rejects (16-mixed on CPU,
+    3 devices on a 1-GPU machine) becomes a one-line ``UserError``. ``grad_clip`` and ``grad_accum`` go into
+    DeepSpeed's config, which owns both under that strategy."""
+    settings = resolve_launch_settings(dict(accelerator=accelerator, devices=devices, num_nodes=num_nodes,
+                                            strategy=strategy, precision=precision))
     try:
         fabric = Fabric(**settings, **fabric_kwargs)
     except (ValueError, RuntimeError, TypeError, MisconfigurationException) as err:
         raise UserError(f"cannot launch with {settings}: {str(err).splitlines()[0]}") from err
     check_precision_supported(settings["precision"], fabric.device)
     if isinstance(fabric.strategy, DeepSpeedStrategy):
-        configure_deepspeed(fabric.strategy.config, args.grad_clip, args.grad_accum)
+        configure_deepspeed(fabric.strategy.config, grad_clip, grad_accum)
     return fabric
 
 

@@ -1,23 +1,22 @@
-"""Optimizer and learning-rate schedule from flags."""
+"""Optimizer and learning-rate schedule."""
 
 import math
 
 import torch
-from transformers import get_scheduler
 
 
-def build_optimizer(model, args, device: torch.device) -> torch.optim.Optimizer:
+def build_optimizer(model, name: str, lr: float, weight_decay: float, device: torch.device) -> torch.optim.Optimizer:
     """AdamW (decoupled weight decay, none on biases and norms) with fused kernels on CUDA and multi-tensor
-    (foreach) kernels elsewhere; ``--optimizer adam`` is the article's plain Adam."""
-    if args.optimizer == "adam":
-        return torch.optim.Adam(model.parameters(), lr=args.lr)
+    (foreach) kernels elsewhere; ``adam`` is the article's plain Adam."""
+    if name == "adam":
+        return torch.optim.Adam(model.parameters(), lr=lr)
     decay, no_decay = [], []
-    for name, param in model.named_parameters():
+    for param in model.parameters():
         if param.requires_grad:
             (no_decay if param.ndim < 2 else decay).append(param)
-    groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     kernel = {"fused": True} if device.type == "cuda" else {"foreach": True}
-    return torch.optim.AdamW(groups, lr=args.lr, **kernel)
+    return torch.optim.AdamW(groups, lr=lr, **kernel)
 
 
 def count_warmup_steps(warmup: float, max_steps: int) -> int:
@@ -26,10 +25,18 @@ def count_warmup_steps(warmup: float, max_steps: int) -> int:
 
 
 def build_scheduler(optimizer, name: str, lr: float, max_steps: int, warmup_steps: int):
-    """linear / cosine: warm up, then decay to 0 (transformers' schedules); one-cycle: PyTorch's OneCycleLR with the
-    warm-up as its rising phase; constant: the article's fixed learning rate, after any warm-up."""
+    """Linear warm-up from 0, then linear decay to 0, half a cosine to 0, or the peak kept (``constant``, the
+    article's fixed rate after any warm-up): the schedules of transformers' ``get_scheduler``. ``one-cycle`` is
+    PyTorch's OneCycleLR with the warm-up as its rising phase."""
     if name == "one-cycle":
         return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=lr, total_steps=max_steps,
                                                    pct_start=max(warmup_steps, 1) / max_steps)
-    hf_name = {"linear": "linear", "cosine": "cosine", "constant": "constant_with_warmup"}[name]
-    return get_scheduler(hf_name, optimizer, num_warmup_steps=warmup_steps, num_training_steps=max_steps)
+    decay = {"linear": lambda progress: max(0.0, 1.0 - progress),
+             "cosine": lambda progress: max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress))),
+             "constant": lambda progress: 1.0}[name]
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return step / max(1, warmup_steps)
+        return decay((step - warmup_steps) / max(1, max_steps - warmup_steps))
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

@@ -1,7 +1,11 @@
 """Speed helpers the loop calls: backend switches, worker counts, FLOP counting for MFU, compile warm-up."""
 
+import copy
+import itertools
 import os
 import resource
+import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -24,23 +28,20 @@ def default_num_workers(fabric) -> int:
     return max(0, min(4, (os.cpu_count() or 1) // per_node - 1))
 
 
-def training_flops_fn(config, max_length: int):
+def training_flops_fn(model: torch.nn.Module, step_loss: Callable[[torch.nn.Module, int], torch.Tensor],
+                      max_length: int) -> Callable[[int, int, int], float]:
     """Returns ``flops(rows, tokens, tokens_sq)``: the FLOPs of forward and backward over ``rows`` rows holding
     ``tokens`` non-padding tokens in all, ``tokens_sq`` the sum of each row's length squared.
 
-    Fabric's ``measure_flops`` counts them on a meta-device copy of the model (no memory, no time) at three lengths;
+    ``step_loss(model, length)`` runs the training forward on one row of ``length`` tokens and returns the loss.
+    Fabric's ``measure_flops`` counts it on a meta-device copy of the model (no memory, no time) at three lengths;
     a quadratic in the length (linear layers + attention) fits them exactly, so the loop only keeps three sums on
     the device and never copies anything per step.
     """
-    from transformers import AutoModelForSequenceClassification
-
-    with torch.device("meta"):
-        meta_model = AutoModelForSequenceClassification.from_config(config)
+    meta_model = meta_copy(model)
     points = sorted({max(max_length // 4, 1), max(max_length // 2, 2), max_length})
-    measured = []
-    for length in points:
-        ids = torch.zeros(1, length, dtype=torch.long, device="meta")
-        measured.append(measure_flops(meta_model, lambda: meta_model(input_ids=ids).logits, lambda y: y.sum()))
+    measured = [measure_flops(meta_model, lambda: step_loss(meta_model, length), lambda loss: loss)
+                for length in points]
     coeffs = np.polyfit(points, measured, deg=min(2, len(points) - 1))[::-1].tolist()  # constant term first
     c0, c1, c2 = coeffs + [0.0] * (3 - len(coeffs))
 
@@ -49,31 +50,65 @@ def training_flops_fn(config, max_length: int):
     return flops
 
 
-def make_throughput_monitor(fabric, peak_tflops: float | None) -> ThroughputMonitor:
-    monitor = ThroughputMonitor(fabric, window_size=5)
-    if peak_tflops:  # Fabric knows the peak of common GPUs, not of CPUs
-        monitor.available_flops = peak_tflops * 1e12
-    return monitor
+def meta_copy(module: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``module`` on the meta device: the same structure and shapes, without copying any weight."""
+    memo = {}
+    for tensor in itertools.chain(module.parameters(), module.buffers()):
+        on_meta = tensor.detach().to("meta")
+        memo[id(tensor)] = torch.nn.Parameter(on_meta, tensor.requires_grad) if isinstance(
+            tensor, torch.nn.Parameter) else on_meta
+    return copy.deepcopy(module, memo)
 
 
-def mfu(monitor: ThroughputMonitor, fabric, flops: float, seconds: float) -> float | None:
-    """Model FLOPs utilisation over the whole training loop: useful (non-padding) FLOPs per second of all ranks
-    over the peak of all devices."""
-    total = float(fabric.all_reduce(torch.as_tensor(float(flops), dtype=torch.float64), reduce_op="sum"))
-    if not monitor.available_flops:
-        return None
-    return total / seconds / (monitor.available_flops * fabric.world_size)
+class Throughput:
+    """Rows, non-padding tokens and FLOPs of this process, counted on the device every micro-batch and read back
+    only at log steps; Fabric's ``ThroughputMonitor`` turns them into rates and MFU in the logs, and ``stop()`` into
+    the whole loop's figures for results.json. A resumed run counts from its resume."""
+
+    def __init__(self, fabric, peak_tflops: float | None, flops_of: Callable[[int, int, int], float]):
+        self.fabric, self.flops_of = fabric, flops_of
+        self.monitor = ThroughputMonitor(fabric, window_size=5)
+        if peak_tflops:  # Fabric knows the peak of common GPUs, not of CPUs
+            self.monitor.available_flops = peak_tflops * 1e12
+        self.counts = torch.zeros(3, dtype=torch.int64, device=fabric.device)  # rows, tokens, sum of lengths²
+        self.flops_logged = 0.0
+
+    def start(self, step: int) -> None:
+        reset_peak_memory(self.fabric.device)  # not the batch-size finder's or the compile warm-up's peak
+        self.start_time, self.start_step = time.perf_counter(), step
+
+    def count(self, lengths: torch.Tensor) -> None:
+        self.counts += torch.stack((torch.ones_like(lengths).sum(), lengths.sum(), (lengths * lengths).sum()))
+
+    def log(self, step: int) -> dict:
+        rows, tokens, tokens_sq = self.counts.tolist()  # sync: log steps only
+        flops = self.flops_of(rows, tokens, tokens_sq)
+        self.monitor.update(time=time.perf_counter() - self.start_time, batches=step - self.start_step, samples=rows,
+                            lengths=tokens, flops=flops - self.flops_logged)  # it takes FLOPs since its last update
+        self.flops_logged = flops
+        return self.monitor.compute_and_log(step=step)
+
+    def stop(self) -> dict:
+        """The whole loop over all ranks: seconds, rows/s and tokens/s, and MFU (None where the peak is unknown)."""
+        seconds = time.perf_counter() - self.start_time
+        rows, tokens, tokens_sq = self.counts.tolist()
+        flops = self.flops_of(rows, tokens, tokens_sq)
+        totals = self.fabric.all_reduce(torch.tensor([rows, tokens, flops], dtype=torch.float64,
+                                                     device=self.fabric.device), reduce_op="sum").tolist()
+        peak = self.monitor.available_flops
+        return {"train_time_s": seconds, "train_samples_per_s": totals[0] / seconds,
+                "train_tokens_per_s": totals[1] / seconds,
+                "mfu": totals[2] / seconds / (peak * self.fabric.world_size) if peak else None}
 
 
-def warm_up(fabric, model, loader) -> None:
+def warm_up(fabric, model, batch: dict, loss_fn: Callable[[torch.nn.Module, dict], torch.Tensor]) -> None:
     """Runs a training step's forward and backward, and an evaluation forward, so torch.compile builds both graphs
     before the clock starts. The gradients are dropped, so the weights are untouched."""
-    batch = next(iter(loader))
-    fabric.backward(model(**batch).loss)
+    fabric.backward(loss_fn(model, batch))
     model.zero_grad(set_to_none=True)
     model.eval()
     with torch.no_grad():
-        model(**batch)
+        loss_fn(model, batch)
     model.train()
 
 

@@ -17,7 +17,7 @@ SMALL_DEMO = ["--demo", "--train-size", "400", "--val-size", "101", "--test-size
 @pytest.fixture(scope="module")
 def demo_tokenizer(tmp_path_factory):
     from data.demo import prepare_demo
-    from fabric_utils.modeling import load_tokenizer
+    from task import load_tokenizer
 
     _, model = prepare_demo(tmp_path_factory.mktemp("demo"))
     return load_tokenizer(str(model))
@@ -50,6 +50,17 @@ def run(command: list, timeout=600, deepspeed_cpu=False, check=True) -> subproce
         raise AssertionError(f"{command} exited {result.returncode}\n--- stdout\n{result.stdout[-3000:]}"
                              f"\n--- stderr\n{result.stderr[-5000:]}")
     return result
+
+
+def build_fabric_from_flags(*flags):
+    """The Fabric train.py builds for these flags."""
+    from fabric_utils.launcher import build_fabric
+    from train import parse_args
+
+    args = parse_args(list(flags))
+    return build_fabric(accelerator=args.accelerator, devices=args.devices, num_nodes=args.num_nodes,
+                        strategy=args.strategy, precision=args.precision, grad_clip=args.grad_clip,
+                        grad_accum=args.grad_accum)
 
 
 def train(args: list, out_dir: Path, **kwargs) -> dict:

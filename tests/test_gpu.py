@@ -3,21 +3,19 @@
 import pytest
 import torch
 
-from conftest import SMALL_DEMO, train
-from fabric_utils.args import parse_args
-from fabric_utils.launcher import build_fabric
+from conftest import SMALL_DEMO, build_fabric_from_flags, train
 
 pytestmark = pytest.mark.gpu
 
 
 def test_auto_precision_on_this_gpu():
-    fabric = build_fabric(parse_args(["--accelerator", "cuda", "--devices", "1"]))
+    fabric = build_fabric_from_flags("--accelerator", "cuda", "--devices", "1")
     expected = "bf16-mixed" if torch.cuda.is_bf16_supported() else "16-mixed"
     assert fabric.strategy.precision.precision == expected
 
 
 def test_fp16_mixed_uses_a_loss_scaler_and_trains(tmp_path):
-    fabric = build_fabric(parse_args(["--accelerator", "cuda", "--devices", "1", "--precision", "16-mixed"]))
+    fabric = build_fabric_from_flags("--accelerator", "cuda", "--devices", "1", "--precision", "16-mixed")
     assert fabric.strategy.precision.scaler is not None
     results = train(["--accelerator", "cuda", "--devices", "1", "--precision", "16-mixed", *SMALL_DEMO,
                      "--epochs", "3"], tmp_path)

@@ -4,7 +4,6 @@
 import ast
 import csv
 import inspect
-import linecache
 import os
 import pickle
 import textwrap
@@ -22,9 +21,8 @@ from data.batching import make_collator
 # Tensor methods that read a value back to the host: on a GPU each one waits for every queued kernel
 HOST_READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__float__,
               torch.Tensor.__int__, torch.Tensor.numpy, torch.Tensor.cpu}
-# where the loop may sync: the preemption vote (at log steps), validation and checkpoints, and any line of the
-# project's code that says so in a comment (the log step's reads, "# ... sync ...")
-ALLOWED = {"agreed", "validate", "evaluate", "save_checkpoint"}
+# where the loop may sync: its log step, the preemption vote (at log steps), validation and checkpoints
+ALLOWED = {"log_step", "agreed", "validate", "evaluate", "save_checkpoint"}
 # work on host tensors, which on a CPU look like everything else: the DataLoader building the next batch before
 # Fabric moves it, and optimizers reading their step counters (CPU tensors unless capturable)
 HOST_SIDE = {("dataloader.py", "_next_data"), ("dataloader.py", "__iter__"), ("optimizer.py", "_get_value"),
@@ -41,8 +39,7 @@ def _training_loop_lines(function) -> tuple[int, int]:
     return first + loop.lineno - 1, first + loop.end_lineno - 1
 
 
-LOOP_FILE = inspect.getsourcefile(inspect.unwrap(train.main))
-LOOP_LINES = _training_loop_lines(inspect.unwrap(train.main))
+LOOP_FILE, LOOP_LINES = inspect.getsourcefile(train.fit), _training_loop_lines(train.fit)
 
 
 class SyncRecorder(TorchFunctionMode):
@@ -62,9 +59,7 @@ class SyncRecorder(TorchFunctionMode):
             in_loop = any(f.filename == LOOP_FILE and LOOP_LINES[0] <= f.lineno <= LOOP_LINES[1] for f in stack)
             host_side = any((f.filename.rsplit("/", 1)[-1], f.name) in HOST_SIDE for f in stack)
             from_fabric_loader = any(f.filename.endswith("apply_func.py") for f in stack)  # checked separately
-            own = [f for f in stack if f.filename.startswith(str(REPO)) and "/tests/" not in f.filename]
-            marked = bool(own) and "sync" in linecache.getline(own[-1].filename, own[-1].lineno)
-            if in_loop and not (host_side or from_fabric_loader or marked or ALLOWED & {f.name for f in stack}):
+            if in_loop and not (host_side or from_fabric_loader or ALLOWED & {f.name for f in stack}):
                 self.found.append(f"{func.__qualname__} at " + " <- ".join(
                     f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno}" for f in reversed(stack[-6:-1])))
         return func(*args, **kwargs)
@@ -81,7 +76,7 @@ def test_no_host_device_sync_between_log_steps(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     recorder = SyncRecorder()
     with recorder:
-        train.main(["--accelerator", "cpu", "--precision", "32-true", *SMALL_DEMO, "--max-steps", "6",
+        train.setup(["--accelerator", "cpu", "--precision", "32-true", *SMALL_DEMO, "--max-steps", "6",
                     "--log-every", "3", "--out-dir", str(tmp_path)])
     assert not recorder.found, "\n".join(recorder.found[:10])
 
@@ -123,16 +118,17 @@ def _log_on_rank(rank: int, port: int, results):
 
     from lightning.fabric import Fabric
 
-    from fabric_utils.observe import Progress
+    from fabric_utils.progress import Progress
+    from task import make_metrics
 
     # as torchrun would start it: Fabric joins the job instead of starting processes
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank),
                       LOCAL_RANK=str(rank), NODE_RANK="0")
     fabric = Fabric(accelerator="cpu", devices=2, strategy="ddp")
     fabric.launch()
-    progress = Progress(fabric, total_steps=1, quiet=True)
+    progress = Progress(fabric, total_steps=1, quiet=True, metrics=make_metrics(num_labels=2))
     loss = torch.tensor(float("nan") if rank == 1 else 0.5)  # only rank 1 diverged
-    progress.accumulate(loss, torch.zeros(4, 2), torch.zeros(4, dtype=torch.long))
+    progress.update(loss, torch.zeros(4, 2), torch.zeros(4, dtype=torch.long))
     results[rank] = progress.log(step=1, lr=1e-3)["train/loss"]
 
 

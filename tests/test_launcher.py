@@ -5,14 +5,14 @@ import pytest
 from lightning.fabric.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
 from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy, DeepSpeedStrategy, FSDPStrategy
 
-from conftest import SMALL_DEMO, fabric_cli, run
+from conftest import SMALL_DEMO, build_fabric_from_flags, fabric_cli, run
 from fabric_utils import launcher
-from fabric_utils.args import parse_args
+from train import parse_args
 from fabric_utils.errors import UserError
 
 
 def fabric_for(*flags):
-    return launcher.build_fabric(parse_args(list(flags)))
+    return build_fabric_from_flags(*flags)
 
 
 def test_every_registered_strategy_is_a_valid_flag():
@@ -80,7 +80,7 @@ def test_auto_precision(monkeypatch, cuda, cuda_bf16, cpu_bf16, expected):
     monkeypatch.setattr(launcher.torch.cuda, "is_bf16_supported", lambda: cuda_bf16)
     monkeypatch.setattr(launcher, "cpu_has_native_bf16", lambda: cpu_bf16)
     assert launcher.auto_precision("auto") == expected
-    assert launcher.resolve_launch_settings(parse_args([]))["precision"] == expected
+    assert launcher.resolve_launch_settings(vars(parse_args([])))["precision"] == expected
 
 
 def test_auto_precision_on_this_cpu_follows_its_flags():

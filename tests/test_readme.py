@@ -3,12 +3,12 @@
 import re
 
 from conftest import REPO
-from fabric_utils.args import build_parser
+from train import flag_parser
 
 
 def test_every_flag_the_readme_gives_train_py_exists():
     readme = (REPO / "README.md").read_text()
-    known = {option for action in build_parser()._actions for option in action.option_strings}
+    known = {option for action in flag_parser()._actions for option in action.option_strings}
     named = set()
     for line in readme.splitlines():
         if "train.py" in line:  # flags after train.py belong to it; before, to fabric run / torchrun / srun

@@ -9,10 +9,9 @@ import pytest
 import torch
 import yaml
 
-from conftest import REPO, SMALL_DEMO, fabric_cli, run, subprocess_env, train
+from conftest import REPO, SMALL_DEMO, build_fabric_from_flags, fabric_cli, run, subprocess_env, train
 from fabric_utils import batch_size as batch_size_finder
-from fabric_utils.args import parse_args
-from fabric_utils.launcher import build_fabric
+from train import parse_args
 
 SMALL_SIZES = {"train_examples": 400, "val_examples": 101, "test_examples": 201}
 
@@ -107,7 +106,7 @@ def test_config_file_reruns_with_flag_overrides(tmp_path):
 
 
 def test_batch_size_finder_stops_at_the_first_out_of_memory(monkeypatch):
-    fabric = build_fabric(parse_args(["--accelerator", "cpu", "--precision", "32-true"]))
+    fabric = build_fabric_from_flags("--accelerator", "cpu", "--precision", "32-true")
     fabric.launch()
     args = parse_args(["--max-length", "8"])
 

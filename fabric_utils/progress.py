@@ -1,0 +1,54 @@
+"""Rank 0's view of training: a tqdm bar on a terminal, plain log lines otherwise (CI, cluster logs)."""
+
+import sys
+
+import torch
+
+
+class Progress:
+    """Training loss and the task's metrics since the last log step, logged and shown on rank 0.
+
+    Everything is summed on the device and read back only at log steps, so the hot loop never waits."""
+
+    def __init__(self, fabric, total_steps: int, quiet: bool, metrics):
+        self.fabric = fabric
+        self.metrics = metrics.to(fabric.device)  # a torchmetrics collection; compute() sums over ranks
+        self.loss_sum, self.rows = torch.zeros((), device=fabric.device), 0
+        self.enabled = fabric.is_global_zero and not quiet
+        self.bar = None
+        if self.enabled and sys.stderr.isatty():
+            from tqdm import tqdm
+            self.bar = tqdm(total=total_steps, desc="train", dynamic_ncols=True)
+
+    def update(self, loss: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor) -> None:
+        self.loss_sum += loss.detach().float() * len(labels)
+        self.rows += len(labels)
+        self.metrics.update(logits.detach(), labels)
+
+    def log(self, step: int, lr: float) -> dict:
+        """Loss and metrics since the last log over all ranks: every rank gets the same numbers, so a check on
+        them (a non-finite loss) stops all ranks together instead of leaving the others waiting in a collective."""
+        sums = torch.stack([self.loss_sum, torch.tensor(float(self.rows), device=self.fabric.device)])
+        loss_sum, rows = self.fabric.all_reduce(sums, reduce_op="sum").tolist()  # sync: log steps only
+        computed = {f"train/{k}": v.item() for k, v in self.metrics.compute().items()}  # sync: log steps only
+        logged = {"train/loss": loss_sum / max(rows, 1), **computed, "lr": lr}
+        self.fabric.log_dict(logged, step=step)
+        self.loss_sum.zero_()
+        self.rows = 0
+        self.metrics.reset()
+        self.step, self.logged = step, logged
+        return logged
+
+    def show(self, throughput: dict) -> None:
+        if not self.enabled:
+            return
+        shown = {name.removeprefix("train/"): f"{value:.4g}" for name, value in self.logged.items()}
+        # the monitor reports rates once its window is full; "samples_per_sec" (all ranks) only with several
+        samples_per_sec = throughput.get("samples_per_sec", throughput.get("device/samples_per_sec"))
+        if samples_per_sec is not None:
+            shown["samples/s"] = f"{samples_per_sec:.1f}"
+        if self.bar is not None:
+            self.bar.n = self.step
+            self.bar.set_postfix(shown, refresh=True)
+        else:
+            print(f"step {self.step}: " + ", ".join(f"{k} {v}" for k, v in shown.items()), flush=True)

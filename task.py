@@ -1,0 +1,163 @@
+"""The task: everything that makes this a text-classification fine-tune of a Hugging Face model.
+
+To train something else, this is the file to edit; `train.py` and `fabric_utils/` only ever call what is here:
+- `add_args`: the data and model flags
+- `load_data`: rows -> tokenized train / validation / test splits (via `data/`), and the label names
+- `build_model`: the model to train
+- `forward` and `loss`: the batch -> logits -> loss path, one loss for training and evaluation
+- `make_metrics` and `BEST_METRIC`: what evaluation reports and which number picks the best checkpoint
+- `dummy_batch`: a synthetic batch of a given shape (FLOP counting, the batch-size finder, compile warm-up)
+- `export`: the artifact a run hands over (a Hugging Face folder that `from_pretrained` loads)
+"""
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+
+import datasets
+import torch
+import torch.nn.functional as F
+import transformers
+from torchmetrics import MetricCollection
+from torchmetrics.classification import MulticlassAccuracy
+from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+
+from data.demo import prepare_demo
+from data.sources import load_splits
+from data.tokenize import tokenize_splits
+from fabric_utils.args import dropout, positive_int
+from fabric_utils.errors import UserError
+
+# the demo's tiny model starts from random weights: it needs a far larger learning rate than fine-tuning
+DEMO_DEFAULTS = {"lr": 2e-3}
+DEMO_ROOT = Path.home() / ".cache" / "fabric-template" / "demo"
+BEST_METRIC = "acc"  # validation metric that picks checkpoints/best (higher is better)
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--demo", action="store_true",
+                        help="offline run on a synthetic dataset with a tiny model built locally (overrides "
+                             "--dataset and --model)")
+    g = parser.add_argument_group("data")
+    g.add_argument("--dataset", default="stanfordnlp/imdb", help="hub id, local file (.parquet/.csv/.json/.jsonl) "
+                   "or folder with train/validation/test files")
+    g.add_argument("--text-column", default="text")
+    g.add_argument("--label-column", default="label")
+    g.add_argument("--train-size", type=positive_int, help="use a random subset of this many training rows")
+    g.add_argument("--val-size", type=positive_int, help="validation rows (carved from train if the data has none; "
+                   "default 5,000 or a fifth of train)")
+    g.add_argument("--test-size", type=positive_int, help="use a random subset of this many test rows")
+    g.add_argument("--max-length", type=positive_int, default=512, help="truncate texts to this many tokens")
+    g.add_argument("--group-by-length", action=argparse.BooleanOptionalAction, default=True,
+                   help="batch training rows of similar length so per-batch padding stays small")
+    g.add_argument("--pad-to-max-length", action="store_true", help="pad every row to --max-length (the article's "
+                   "recipe; slow)")
+    g.add_argument("--pad-to-multiple-of", type=positive_int, default=8,
+                   help="round each batch's padded length up to a multiple of this (tensor-core friendly)")
+
+    g = parser.add_argument_group("model")
+    g.add_argument("--model", default="distilbert-base-uncased", help="hub id or local folder")
+    g.add_argument("--attention-dropout", type=dropout, default=0.0,
+                   help="attention-probability dropout, or 'model' for the model's own; 0 skips drawing a random "
+                        "mask over every attention matrix, which halved the step time on CPU (bench/RESULTS.md)")
+    g.add_argument("--hidden-dropout", type=dropout, default="model",
+                   help="hidden-state dropout, or 'model' for the model's own")
+
+
+def quiet_libraries(quiet: bool) -> None:
+    """Progress bars of datasets and transformers only where wanted (rank 0, without --quiet)."""
+    if quiet:
+        datasets.disable_progress_bars()
+        transformers.utils.logging.disable_progress_bar()
+
+
+# ---- data ------------------------------------------------------------------------------------------------------------
+@dataclass
+class TaskData:
+    splits: datasets.DatasetDict  # tokenized train / validation / test, with a "length" column per row
+    label_names: list[str]
+    tokenizer: object
+    model_source: str  # --model, or the demo's model folder
+
+
+def load_data(dataset: str, model: str, demo: bool, text_column: str, label_column: str, max_length: int,
+              seed: int, train_size=None, val_size=None, test_size=None) -> TaskData:
+    """Rows -> tokenized splits. Tokenization is cached by the data's fingerprint, the tokenizer and max_length."""
+    if demo:
+        dataset, model = map(str, prepare_demo(DEMO_ROOT))
+    data = load_splits(dataset, text_column, label_column, seed, train_size, val_size, test_size)
+    tokenizer = load_tokenizer(model)
+    tokenized = tokenize_splits(data.splits, tokenizer, text_column, max_length)
+    return TaskData(tokenized, data.label_names, tokenizer, model)
+
+
+def _check_source(source: str) -> None:
+    if source.startswith((".", "/", "~")) and not Path(source).expanduser().exists():
+        raise UserError(f"model path {source} does not exist (pass a hub id or an existing folder to --model)")
+
+
+def load_tokenizer(source: str):
+    _check_source(source)
+    try:
+        return AutoTokenizer.from_pretrained(source, use_fast=True, trust_remote_code=False)
+    except OSError as err:
+        raise UserError(f"cannot load a tokenizer from {source!r}: {str(err).splitlines()[0]}") from err
+
+
+# ---- model -----------------------------------------------------------------------------------------------------------
+def build_model(source: str, label_names: list[str], attention_dropout: float | None, hidden_dropout: float | None,
+                grad_checkpointing: bool = False) -> torch.nn.Module:
+    """The pretrained encoder with a fresh classification head for ``label_names`` (never running remote code).
+    A dropout of None keeps the model's own."""
+    _check_source(source)
+    try:
+        config = AutoConfig.from_pretrained(source, trust_remote_code=False)
+    except OSError as err:
+        raise UserError(f"cannot load model {source!r}: {str(err).splitlines()[0]}") from err
+    trained_labels = list(config.id2label.values()) if config.architectures and any(
+        a.endswith("ForSequenceClassification") for a in config.architectures) else None
+    if trained_labels and len(trained_labels) != len(label_names):
+        raise UserError(f"model {source} classifies {len(trained_labels)} labels {trained_labels} but the data has "
+                        f"{len(label_names)} {label_names}; use a base model or matching data")
+    overrides = {}
+    if attention_dropout is not None:  # BERT-style and DistilBERT-style configs name these differently
+        overrides.update(attention_probs_dropout_prob=attention_dropout, attention_dropout=attention_dropout)
+    if hidden_dropout is not None:
+        overrides.update(hidden_dropout_prob=hidden_dropout, dropout=hidden_dropout)
+    model = AutoModelForSequenceClassification.from_pretrained(
+        source, num_labels=len(label_names), id2label=dict(enumerate(label_names)),
+        label2id={name: i for i, name in enumerate(label_names)}, trust_remote_code=False,
+        **{k: v for k, v in overrides.items() if hasattr(config, k)})
+    if grad_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model.train()  # from_pretrained returns eval mode: dropout would stay off
+
+
+# ---- forward, loss, metrics: shared by training and evaluation -------------------------------------------------------
+def forward(model, batch: dict) -> torch.Tensor:
+    return model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask")).logits
+
+
+def loss(logits: torch.Tensor, batch: dict, reduction: str = "mean") -> torch.Tensor:
+    return F.cross_entropy(logits.float(), batch["labels"], reduction=reduction)
+
+
+def make_metrics(num_labels: int) -> MetricCollection:
+    """Updated on the device every batch, read (and summed over ranks) only by ``compute()``. ``validate_args``
+    off: its checks read values back to the host on every update."""
+    return MetricCollection({"acc": MulticlassAccuracy(num_labels, average="micro", validate_args=False)})
+
+
+def dummy_batch(rows: int, length: int, vocab_size: int, device) -> dict:
+    """Rows of ``length`` random tokens, no padding (so no attention mask: also what a meta-device model needs)."""
+    return {"input_ids": torch.randint(1, max(vocab_size, 2), (rows, length), device=device),
+            "labels": torch.zeros(rows, dtype=torch.long, device=device)}
+
+
+# ---- export ----------------------------------------------------------------------------------------------------------
+def export(state_dict: dict, model_config, tokenizer, out: Path) -> None:
+    """Writes a Hugging Face folder (weights, config with label names, tokenizer) into ``out``."""
+    model = AutoModelForSequenceClassification.from_config(model_config)
+    model.load_state_dict(state_dict, strict=True)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
