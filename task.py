@@ -6,7 +6,8 @@ To train something else, this is the file to edit; `train.py` and `fabric_utils/
 - `build_model`: the model to train
 - `forward` and `loss`: the batch -> logits -> loss path, one loss for training and evaluation
 - `make_metrics` and `BEST_METRIC`: what evaluation reports and which number picks the best checkpoint
-- `dummy_batch`: a synthetic batch of a given shape (FLOP counting, the batch-size finder, compile warm-up)
+- `row_lengths` and `dummy_batch`: a batch's real tokens per row (throughput, MFU), and a synthetic batch of a
+  given shape (FLOP counting, the batch-size finder)
 - `export`: the artifact a run hands over (a Hugging Face folder that `from_pretrained` loads)
 """
 
@@ -146,6 +147,11 @@ def make_metrics(num_labels: int) -> MetricCollection:
     """Updated on the device every batch, read (and summed over ranks) only by ``compute()``. ``validate_args``
     off: its checks read values back to the host on every update."""
     return MetricCollection({"acc": MulticlassAccuracy(num_labels, average="micro", validate_args=False)})
+
+
+def row_lengths(batch: dict) -> torch.Tensor:
+    """Tokens per row that are not padding: what throughput (tokens/s) and MFU count."""
+    return batch["attention_mask"].sum(dim=1)
 
 
 def dummy_batch(rows: int, length: int, vocab_size: int, device) -> dict:

@@ -144,7 +144,7 @@ def fit(fabric, args, state, loaders, preemption, ckpt_dir, max_steps, flops_of,
                 loss = task.loss(logits, batch)
                 fabric.backward(loss / group_size)                                           # Fabric step 4
             progress.update(loss, logits, batch["labels"])
-            monitor.count(batch["attention_mask"].sum(dim=1))
+            monitor.count(task.row_lengths(batch))
             if not is_last:
                 continue
             if args.grad_clip and clips_in_loop(fabric):  # DeepSpeed clips inside optimizer.step()
