@@ -28,9 +28,9 @@ from fabric_utils.checkpoint import find_resume_checkpoint, load_checkpoint, sav
 from fabric_utils.errors import UserError, exit_on_user_error
 from fabric_utils.export import export_model
 from fabric_utils.launcher import build_fabric, clips_in_loop, launch
+from fabric_utils.loggers import finalize_loggers, make_loggers, plot_metrics, save_tracker_ids, saved_tracker_ids
 from fabric_utils.modeling import load_model, load_tokenizer
-from fabric_utils.observe import (Progress, environment_report, make_loggers, plot_metrics, prepare_out_dir,
-                                  quiet_libraries, save_config)
+from fabric_utils.observe import Progress, environment_report, prepare_out_dir, quiet_libraries, save_config
 from fabric_utils.optim import build_optimizer, build_scheduler, count_warmup_steps
 from fabric_utils.preemption import Preemption
 from fabric_utils.speed import (configure_backends, default_num_workers, make_throughput_monitor, mfu, peak_memory_mb,
@@ -42,7 +42,9 @@ def main(argv=None):
     # ---- setup -------------------------------------------------------------------------------------------------
     args = parse_args(argv)
     out_dir = prepare_out_dir(args.out_dir)
-    fabric = build_fabric(args, loggers=make_loggers(args.logger, out_dir))  # Fabric step 1: configure
+    resume_ids = saved_tracker_ids(out_dir) if args.resume else None  # [trackers] continue the same MLflow/W&B runs
+    loggers = make_loggers(args.logger, out_dir, args.tracker_project, resume_ids)
+    fabric = build_fabric(args, loggers=loggers)                             # Fabric step 1: configure
     launch(fabric)                                                            # Fabric step 2: start processes
     out_dir = Path(fabric.broadcast(str(out_dir)))  # ranks started apart in time agree on rank 0's folder
     fabric.seed_everything(args.seed)
@@ -67,6 +69,7 @@ def main(argv=None):
     model = load_model(args, data.label_names)
     meta = {"model": args.model, "labels": data.label_names}
     save_config(fabric, args, out_dir)  # only now: bad data or model must leave the folder untouched
+    save_tracker_ids(fabric, out_dir)  # [trackers] starts the tracked runs; keeps their ids for a resume
     if args.batch_size == "auto":
         args.batch_size = find_batch_size(fabric, args, model, tokenizer)
     collator = make_collator(tokenizer, args.pad_to_max_length, args.max_length, args.pad_to_multiple_of)
@@ -180,8 +183,7 @@ def main(argv=None):
         "peak_memory_mb": peak_memory_mb(fabric.device),
         "environment": env, "config": vars(args),
     }
-    for logger in fabric.loggers:
-        logger.finalize("success")  # flushes metrics.csv, which the plots read
+    finalize_loggers(fabric.loggers)  # [trackers] flushes metrics.csv, which the plots read; ends the tracked runs
     if fabric.is_global_zero:
         (out_dir / "results.json").write_text(json.dumps(results, indent=2))
         plot_metrics(out_dir)

@@ -1,4 +1,5 @@
-"""What a user watches and finds after a run: the run folder, loggers, progress, environment report, plots."""
+"""What a user watches and finds after a run: the run folder, progress, environment report (loggers and plots:
+``fabric_utils/loggers.py``)."""
 
 import os
 import platform
@@ -9,7 +10,6 @@ from pathlib import Path
 
 import torch
 import yaml
-from lightning.fabric.loggers import CSVLogger, TensorBoardLogger
 
 from fabric_utils.errors import UserError
 
@@ -30,14 +30,6 @@ def prepare_out_dir(out_dir: str | None) -> Path:
     except OSError as err:
         raise UserError(f"cannot write to output folder {path} ({err.strerror}); pass a writable --out-dir") from err
     return path
-
-
-def make_loggers(names: str, out_dir: Path) -> list:
-    """Fabric's own loggers, writing under the run folder: ``logs/version_N/metrics.csv`` and/or TensorBoard event
-    files. Each start of the run (a resume too) gets a new version, so no earlier log is overwritten."""
-    make = {"csv": lambda: CSVLogger(out_dir, name="logs"),
-            "tensorboard": lambda: TensorBoardLogger(out_dir, name="tensorboard")}
-    return [make[name]() for name in names.split(",")]
 
 
 def quiet_libraries(fabric, quiet: bool) -> None:
@@ -129,37 +121,3 @@ class Progress:
             self.bar.set_postfix(shown, refresh=True)
         else:
             print(f"step {self.step}: " + ", ".join(f"{k} {v}" for k, v in shown.items()), flush=True)
-
-
-def plot_metrics(out_dir: Path) -> list[Path]:
-    """Loss and accuracy curves (train and validation against step) from every ``metrics.csv`` of the run (a
-    resumed run has one per start), as PNG files."""
-    csvs = sorted(out_dir.glob("logs/version_*/metrics.csv"), key=lambda p: int(p.parent.name.split("_")[1]))
-    if not csvs:
-        return []
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import pandas as pd
-
-    frames = []
-    for csv in csvs:  # a resumed run logs again from its checkpoint's step: the later log wins from there on
-        frame = pd.read_csv(csv)
-        frames = [f[f["step"] < frame["step"].min()] for f in frames] + [frame]
-    metrics = pd.concat(frames)
-    written = []
-    for name in ("loss", "acc"):
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for split in ("train", "val"):
-            column = f"{split}/{name}"
-            if column in metrics:
-                points = metrics[["step", column]].dropna()
-                ax.plot(points["step"], points[column], marker="o" if split == "val" else None, label=split)
-        ax.set(xlabel="optimizer step", ylabel=name, title=f"{name} per step")
-        ax.legend()
-        fig.tight_layout()
-        path = out_dir / f"{name}.png"
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-        written.append(path)
-    return written
