@@ -25,7 +25,7 @@ from fabric_utils.checkpoint import find_resume_checkpoint, load_checkpoint, sav
 from fabric_utils.errors import UserError, exit_on_user_error
 from fabric_utils.export import export_model
 from fabric_utils.launcher import build_fabric, clips_in_loop, launch
-from fabric_utils.loggers import make_loggers, plot_metrics
+from fabric_utils.loggers import finalize_loggers, make_loggers, plot_metrics, save_tracker_ids, saved_tracker_ids
 from fabric_utils.optim import build_optimizer, build_scheduler, count_warmup_steps
 from fabric_utils.preemption import Preemption
 from fabric_utils.progress import Progress
@@ -49,9 +49,11 @@ def parse_args(argv=None):
 def setup(argv=None) -> dict:
     args = parse_args(argv)
     out_dir = prepare_out_dir(args.out_dir)
+    loggers = make_loggers(args.logger, out_dir, project=args.tracker_project,  # a resume continues tracked runs
+                           resume_ids=saved_tracker_ids(out_dir) if args.resume else None)
     fabric = build_fabric(accelerator=args.accelerator, devices=args.devices, num_nodes=args.num_nodes,
                           strategy=args.strategy, precision=args.precision, grad_clip=args.grad_clip,
-                          grad_accum=args.grad_accum, loggers=make_loggers(args.logger, out_dir))  # Fabric step 1
+                          grad_accum=args.grad_accum, loggers=loggers)                   # Fabric step 1
     launch(fabric)                                                                           # Fabric step 2
     out_dir = Path(fabric.broadcast(str(out_dir)))  # ranks started apart in time agree on rank 0's folder
     return main(fabric, args, out_dir)
@@ -73,6 +75,7 @@ def main(fabric, args, out_dir: Path) -> dict:
     model = task.build_model(data.model_source, data.label_names, attention_dropout=args.attention_dropout,
                              hidden_dropout=args.hidden_dropout, grad_checkpointing=args.grad_checkpointing)
     save_config(fabric, args, out_dir)  # only now: bad data or model must leave the folder untouched
+    save_tracker_ids(fabric, out_dir)  # starts the tracked runs (MLflow, W&B) and keeps their ids for a resume
     loaders = make_dataloaders(
         data.splits, make_collator(data.tokenizer, args.pad_to_max_length, args.max_length, args.pad_to_multiple_of),
         batch_size=args.batch_size, eval_batch_size=args.eval_batch_size or 2 * args.batch_size,
@@ -104,8 +107,7 @@ def main(fabric, args, out_dir: Path) -> dict:
 
     if fit(fabric, args, state, loaders, preemption, out_dir / "checkpoints", max_steps, flops_of,
            num_labels=len(data.label_names)):
-        for logger in fabric.loggers:
-            logger.finalize("preempted")  # this segment's metrics stay on disk
+        finalize_loggers(fabric.loggers, status="preempted")  # this segment's metrics stay on disk
         fabric.print(f"preempted: saved a checkpoint at step {state['step']}; rerun with --resume auto")
         preemption.exit(fabric)  # status EXIT_PREEMPTED (75)
     return finish(fabric, args, state, loaders, out_dir, data, env)
@@ -234,8 +236,7 @@ def finish(fabric, args, state, loaders, out_dir, data, env) -> dict:
         **state["throughput"], "peak_memory_mb": peak_memory_mb(fabric.device), "environment": env,
         "config": vars(args),
     }
-    for logger in fabric.loggers:
-        logger.finalize("success")  # flushes metrics.csv, which the plots read
+    finalize_loggers(fabric.loggers)  # flushes metrics.csv, which the plots read; ends the tracked runs
     if fabric.is_global_zero:
         (out_dir / "results.json").write_text(json.dumps(results, indent=2))
         plot_metrics(out_dir)

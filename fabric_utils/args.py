@@ -8,6 +8,7 @@ import yaml
 
 from fabric_utils.errors import UserError
 from fabric_utils.launcher import add_launch_args
+from fabric_utils.loggers import LOGGER_NAMES
 
 
 def positive_int(text: str) -> int:
@@ -97,7 +98,10 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     g.add_argument("--keep-last", type=positive_int, default=2, help="keep this many newest step checkpoints")
     g.add_argument("--resume", help="auto: continue from the newest checkpoint in --out-dir (fresh start if none); "
                    "or a checkpoint folder")
-    g.add_argument("--logger", default="csv", help="comma list of csv, tensorboard")
+    g.add_argument("--logger", default="csv", help="comma list of csv, tensorboard, mlflow, wandb (the CSV log is "
+                   "always written: the plots read it)")
+    g.add_argument("--tracker-project", default="fabric-template", help="MLflow experiment and W&B project name "
+                   "(the run is named after the run folder)")
     g.add_argument("--log-every", type=positive_int, default=10, help="log metrics every N optimizer steps")
     g.add_argument("--quiet", action="store_true", help="no progress bar or log lines")
     return p
@@ -115,8 +119,8 @@ def parse_flags(parser: argparse.ArgumentParser, argv=None, presets: dict | None
             parser.set_defaults(**defaults)
             args = parser.parse_args(argv)
     for name in args.logger.split(","):
-        if name not in ("csv", "tensorboard"):
-            raise UserError(f"unknown logger {name!r}: --logger takes a comma list of csv, tensorboard")
+        if name not in LOGGER_NAMES:
+            raise UserError(f"unknown logger {name!r}: --logger takes a comma list of {', '.join(LOGGER_NAMES)}")
     if args.num_workers is not None and args.num_workers < 0:
         raise UserError("--num-workers must be 0 or more")
     return args
