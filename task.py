@@ -4,10 +4,10 @@ To train something else, this is the file to edit; `train.py` and `fabric_utils/
 - `add_args`: the data and model flags
 - `load_data`: rows -> tokenized train / validation / test splits (via `data/`), and the label names
 - `build_model`: the model to train
-- `forward` and `loss`: the batch -> logits -> loss path, one loss for training and evaluation
-- `make_metrics` and `BEST_METRIC`: what evaluation reports and which number picks the best checkpoint
-- `row_lengths` and `dummy_batch`: a batch's real tokens per row (throughput, MFU), and a synthetic batch of a
-  given shape (FLOP counting, the batch-size finder)
+- `forward`: a batch -> logits
+- `Objective`: the loss (one for training and evaluation), the metrics, and which metric picks the best checkpoint,
+  by problem type (single-label, multi-label, regression)
+- `row_lengths`: a batch's real tokens per row (throughput, MFU)
 - `export`: the artifact a run hands over (a Hugging Face folder that `from_pretrained` loads)
 """
 
@@ -20,7 +20,8 @@ import torch
 import torch.nn.functional as F
 import transformers
 from torchmetrics import MetricCollection
-from torchmetrics.classification import MulticlassAccuracy
+from torchmetrics.classification import MulticlassAccuracy, MultilabelExactMatch, MultilabelF1Score
+from torchmetrics.regression import MeanSquaredError, PearsonCorrCoef
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
 from data.demo import prepare_demo
@@ -32,7 +33,6 @@ from fabric_utils.errors import UserError
 # the demo's tiny model starts from random weights: it needs a far larger learning rate than fine-tuning
 DEMO_DEFAULTS = {"lr": 2e-3}
 DEMO_ROOT = Path.home() / ".cache" / "fabric-template" / "demo"
-BEST_METRIC = "acc"  # validation metric that picks checkpoints/best (higher is better)
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -76,7 +76,8 @@ def quiet_libraries(quiet: bool) -> None:
 @dataclass
 class TaskData:
     splits: datasets.DatasetDict  # tokenized train / validation / test, with a "length" column per row
-    label_names: list[str]
+    label_names: list[str]  # class names in id order; for regression, the one output's name
+    problem_type: str  # single_label, multi_label or regression
     tokenizer: object
     model_source: str  # --model, or the demo's model folder
 
@@ -89,7 +90,7 @@ def load_data(dataset: str, model: str, demo: bool, text_column: str, label_colu
     data = load_splits(dataset, text_column, label_column, seed, train_size, val_size, test_size)
     tokenizer = load_tokenizer(model)
     tokenized = tokenize_splits(data.splits, tokenizer, text_column, max_length)
-    return TaskData(tokenized, data.label_names, tokenizer, model)
+    return TaskData(tokenized, data.label_names, getattr(data, "problem_type", "single_label"), tokenizer, model)
 
 
 def _check_source(source: str) -> None:
@@ -136,28 +137,66 @@ def build_model(source: str, label_names: list[str], attention_dropout: float | 
 
 # ---- forward, loss, metrics: shared by training and evaluation -------------------------------------------------------
 def forward(model, batch: dict) -> torch.Tensor:
-    return model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask")).logits
+    """Logits: (rows, labels), or (rows,) for a one-output regression head."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask")).logits
+    return logits.squeeze(-1) if logits.shape[-1] == 1 else logits
 
 
-def loss(logits: torch.Tensor, batch: dict, reduction: str = "mean") -> torch.Tensor:
-    return F.cross_entropy(logits.float(), batch["labels"], reduction=reduction)
+@dataclass
+class Objective:
+    """What training minimizes and evaluation reports, by problem type: single_label (softmax cross-entropy,
+    accuracy), multi_label (sigmoid binary cross-entropy, micro-F1 and exact match at 0.5) or regression (mean
+    squared error, RMSE and Pearson correlation). ``best_metric`` picks checkpoints/best."""
+    problem_type: str
+    num_labels: int
 
+    @property
+    def best_metric(self) -> str:
+        return {"single_label": "acc", "multi_label": "f1", "regression": "rmse"}[self.problem_type]
 
-def make_metrics(num_labels: int) -> MetricCollection:
-    """Updated on the device every batch, read (and summed over ranks) only by ``compute()``. ``validate_args``
-    off: its checks read values back to the host on every update."""
-    return MetricCollection({"acc": MulticlassAccuracy(num_labels, average="micro", validate_args=False)})
+    @property
+    def higher_is_better(self) -> bool:
+        return self.problem_type != "regression"
+
+    def loss(self, logits: torch.Tensor, batch: dict, reduction: str = "mean") -> torch.Tensor:
+        """One loss per row with ``reduction="none"`` (evaluation averages rows exactly), else their mean."""
+        logits, labels = logits.float(), batch["labels"]
+        if self.problem_type == "single_label":
+            return F.cross_entropy(logits, labels, reduction=reduction)
+        per_value = (F.binary_cross_entropy_with_logits if self.problem_type == "multi_label" else F.mse_loss)(
+            logits, labels.float(), reduction="none")
+        per_row = per_value.mean(dim=-1) if per_value.ndim > 1 else per_value
+        return per_row if reduction == "none" else per_row.mean()
+
+    def make_metrics(self) -> MetricCollection:
+        """Updated on the device every batch, read (and summed over ranks) only by ``compute()``. ``validate_args``
+        off: its checks read values back to the host on every update."""
+        k = self.num_labels
+        return MetricCollection({
+            "single_label": lambda: {"acc": MulticlassAccuracy(k, average="micro", validate_args=False)},
+            "multi_label": lambda: {"f1": MultilabelF1Score(k, average="micro", validate_args=False),
+                                    "exact_match": MultilabelExactMatch(k, validate_args=False)},
+            "regression": lambda: {"rmse": MeanSquaredError(squared=False), "pearson": PearsonCorrCoef()},
+        }[self.problem_type]())
+
+    def is_better(self, value: float, best: float | None) -> bool:
+        return best is None or (value > best if self.higher_is_better else value < best)
+
+    def step_loss(self, model, batch: dict) -> torch.Tensor:
+        return self.loss(forward(model, batch), batch)
+
+    def dummy_batch(self, rows: int, length: int, vocab_size: int, device) -> dict:
+        """Rows of ``length`` random tokens, no padding (so no attention mask: also what a meta-device model needs),
+        and labels of the right kind: for FLOP counting and the batch-size finder."""
+        labels = {"single_label": lambda: torch.zeros(rows, dtype=torch.long, device=device),
+                  "multi_label": lambda: torch.zeros(rows, self.num_labels, device=device),
+                  "regression": lambda: torch.zeros(rows, device=device)}[self.problem_type]()
+        return {"input_ids": torch.randint(1, max(vocab_size, 2), (rows, length), device=device), "labels": labels}
 
 
 def row_lengths(batch: dict) -> torch.Tensor:
     """Tokens per row that are not padding: what throughput (tokens/s) and MFU count."""
     return batch["attention_mask"].sum(dim=1)
-
-
-def dummy_batch(rows: int, length: int, vocab_size: int, device) -> dict:
-    """Rows of ``length`` random tokens, no padding (so no attention mask: also what a meta-device model needs)."""
-    return {"input_ids": torch.randint(1, max(vocab_size, 2), (rows, length), device=device),
-            "labels": torch.zeros(rows, dtype=torch.long, device=device)}
 
 
 # ---- export ----------------------------------------------------------------------------------------------------------

@@ -84,8 +84,10 @@ def main(fabric, args, out_dir: Path) -> dict:
         pin_memory=fabric.device.type == "cuda")
     max_steps = args.max_steps or args.epochs * math.ceil(len(loaders["train"]) / args.grad_accum)
 
-    flops_of = training_flops_fn(model, lambda m, n: step_loss(m, task.dummy_batch(1, n, len(data.tokenizer), "meta")),
-                                 max_length=args.max_length)  # FLOPs of a step, for MFU
+    objective = task.Objective(data.problem_type, num_labels=len(data.label_names))
+    flops_of = training_flops_fn(  # FLOPs of forward and backward, for MFU
+        model, lambda m, n: objective.step_loss(m, objective.dummy_batch(1, n, len(data.tokenizer), device="meta")),
+        max_length=args.max_length)
     if args.compile:  # one dynamic-shape graph for every padded length, instead of a recompile per length
         model = torch.compile(model, mode=args.compile_mode, dynamic=True)
     optimizer = build_optimizer(model, name=args.optimizer, lr=args.lr, weight_decay=args.weight_decay,
@@ -105,16 +107,11 @@ def main(fabric, args, out_dir: Path) -> dict:
         load_checkpoint(fabric, resume_from, state, expected_meta=meta)
         fabric.print(f"resumed from {resume_from} at step {state['step']}")
 
-    if fit(fabric, args, state, loaders, preemption, out_dir / "checkpoints", max_steps, flops_of,
-           num_labels=len(data.label_names)):
+    if fit(fabric, args, state, loaders, preemption, out_dir / "checkpoints", max_steps, flops_of, objective):
         finalize_loggers(fabric.loggers, status="preempted")  # this segment's metrics stay on disk
         fabric.print(f"preempted: saved a checkpoint at step {state['step']}; rerun with --resume auto")
         preemption.exit(fabric)  # status EXIT_PREEMPTED (75)
-    return finish(fabric, args, state, loaders, out_dir, data, env)
-
-
-def step_loss(model, batch) -> torch.Tensor:
-    return task.loss(task.forward(model, batch), batch)
+    return finish(fabric, args, state, loaders, out_dir, data, objective, env)
 
 
 def micro_batches(loader, grad_accum: int, start: int):
@@ -126,13 +123,13 @@ def micro_batches(loader, grad_accum: int, start: int):
         yield batch, group_size, (position + 1) % grad_accum == 0 or position + 1 == epoch_batches
 
 
-def fit(fabric, args, state, loaders, preemption, ckpt_dir, max_steps, flops_of, num_labels) -> bool:
+def fit(fabric, args, state, loaders, preemption, ckpt_dir, max_steps, flops_of, objective) -> bool:
     """Trains until ``max_steps``, early stopping or preemption; returns whether it was preempted."""
     model, optimizer, scheduler, train_loader = state["model"], state["optimizer"], state["scheduler"], loaders["train"]
-    progress = Progress(fabric, max_steps, args.quiet, metrics=task.make_metrics(num_labels))
+    progress = Progress(fabric, max_steps, args.quiet, metrics=objective.make_metrics())
     monitor = Throughput(fabric, args.peak_tflops, flops_of)
     if args.compile:
-        warm_up(fabric, model, next(iter(train_loader)), step_loss)
+        warm_up(fabric, model, next(iter(train_loader)), objective.step_loss)
     fabric.barrier()
     monitor.start(state["step"])
     stale, preempted, stop = 0, False, False
@@ -143,7 +140,7 @@ def fit(fabric, args, state, loaders, preemption, ckpt_dir, max_steps, flops_of,
             state["batch_in_epoch"] += 1
             with fabric.no_backward_sync(model, enabled=not is_last):  # DDP all-reduces only on the last
                 logits = task.forward(model, batch)
-                loss = task.loss(logits, batch)
+                loss = objective.loss(logits, batch)
                 fabric.backward(loss / group_size)                                           # Fabric step 4
             progress.update(loss, logits, batch["labels"])
             monitor.count(task.row_lengths(batch))
@@ -163,8 +160,8 @@ def fit(fabric, args, state, loaders, preemption, ckpt_dir, max_steps, flops_of,
             preempted = preemption.agreed(fabric, check_now=step % args.log_every == 0)
             epoch_ends = state["batch_in_epoch"] == epoch_batches
             if epoch_ends or (args.val_every and step % args.val_every == 0) or step == max_steps:
-                val = validate(fabric, model, loaders["validation"], num_labels, step)
-                if val[task.BEST_METRIC] > state["best_val"].get(task.BEST_METRIC, -math.inf):
+                val = validate(fabric, model, loaders["validation"], objective, step)
+                if objective.is_better(val[objective.best_metric], state["best_val"].get(objective.best_metric)):
                     state["best_val"], stale = val, 0  # the best model so far is kept as checkpoints/best
                     save_checkpoint(fabric, ckpt_dir, "best", {"model": model, "meta": state["meta"], "step": step})
                 else:
@@ -191,20 +188,20 @@ def log_step(fabric, progress, monitor, step, lr, max_lr) -> None:
     progress.show(monitor.log(step))
 
 
-def validate(fabric, model, loader, num_labels, step) -> dict:
+def validate(fabric, model, loader, objective, step) -> dict:
     """Evaluates on the validation split and logs the result."""
-    val = evaluate(fabric, model, loader, num_labels)
+    val = evaluate(fabric, model, loader, objective)
     fabric.log_dict({f"val/{name}": value for name, value in val.items() if name != "examples"}, step=step)
     fabric.print(f"step {step}: " + ", ".join(f"val {k} {v:.4f}" for k, v in val.items() if k != "examples"))
     return val
 
 
 @torch.no_grad()
-def evaluate(fabric, model, loader, num_labels) -> dict:
+def evaluate(fabric, model, loader, objective) -> dict:
     """Loss and the task's metrics over every row of the split exactly once, summed over all ranks."""
     model.eval()
     mean_loss, rows = MeanMetric().to(fabric.device), SumMetric().to(fabric.device)
-    metrics = task.make_metrics(num_labels).to(fabric.device)
+    metrics = objective.make_metrics().to(fabric.device)
     remaining = loader.batch_sampler.num_real  # the rest repeat a row so all ranks run the same number of batches
     for batch in loader:
         real = min(len(batch["labels"]), remaining)
@@ -213,7 +210,7 @@ def evaluate(fabric, model, loader, num_labels) -> dict:
             continue
         batch = {name: value[:real] for name, value in batch.items()}
         logits = task.forward(model, batch)
-        mean_loss.update(task.loss(logits, batch, reduction="none"))
+        mean_loss.update(objective.loss(logits, batch, reduction="none"))
         metrics.update(logits, batch["labels"])
         rows.update(real)
     model.train()
@@ -221,11 +218,11 @@ def evaluate(fabric, model, loader, num_labels) -> dict:
             "examples": int(rows.compute().item())}
 
 
-def finish(fabric, args, state, loaders, out_dir, data, env) -> dict:
+def finish(fabric, args, state, loaders, out_dir, data, objective, env) -> dict:
     """Tests the best model, exports it and writes results.json."""
     model, best = state["model"], out_dir / "checkpoints" / "best" / "state"
     fabric.load(best, {"model": model})
-    test = evaluate(fabric, model, loaders["test"], len(data.label_names))
+    test = evaluate(fabric, model, loaders["test"], objective)
     export_model(fabric, best, out_dir / "model",
                  write=lambda weights, folder: task.export(weights, model.config, data.tokenizer, folder))
     results = {
@@ -240,7 +237,7 @@ def finish(fabric, args, state, loaders, out_dir, data, env) -> dict:
     if fabric.is_global_zero:
         (out_dir / "results.json").write_text(json.dumps(results, indent=2))
         plot_metrics(out_dir)
-    fabric.print(f"test {task.BEST_METRIC} {test[task.BEST_METRIC]:.4f} on {test['examples']} rows; "
+    fabric.print(f"test {objective.best_metric} {test[objective.best_metric]:.4f} on {test['examples']} rows; "
                  f"results in {out_dir}/results.json")
     return results
 
