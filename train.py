@@ -101,7 +101,6 @@ def main(argv=None):
     progress = Progress(fabric, max_steps, args.quiet)
     throughput = make_throughput_monitor(fabric, args.peak_tflops)
     flops_of = training_flops_fn(model.module.config, args.max_length)
-    check_finite = fabric.strategy.precision.precision != "16-mixed"  # the loss scaler skips non-finite steps itself
     model.train()  # from_pretrained returns the model in eval mode: dropout would stay off
     if args.compile:
         warm_up(fabric, model, train_loader)
@@ -128,7 +127,8 @@ def main(argv=None):
             if is_accumulating:
                 continue
             if args.grad_clip and clips_in_loop(fabric):  # DeepSpeed clips inside optimizer.step()
-                fabric.clip_gradients(model, optimizer, max_norm=args.grad_clip)
+                # 16-mixed: on an overflow step the unscaled gradients hold inf and the loss scaler skips the step
+                fabric.clip_gradients(model, optimizer, max_norm=args.grad_clip, error_if_nonfinite=False)
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
@@ -137,7 +137,7 @@ def main(argv=None):
 
             if step % args.log_every == 0 or step == max_steps:  # the only host-device syncs of the hot loop
                 metrics = progress.log(step, scheduler.get_last_lr()[0])
-                if check_finite and not math.isfinite(metrics["train/loss"]):
+                if not math.isfinite(metrics["train/loss"]):  # also in 16-mixed: loss scaling touches only gradients
                     raise UserError(f"the training loss became {metrics['train/loss']} by step {step}: lower --lr "
                                     f"(now {args.lr}), keep --grad-clip on, or use --precision bf16-mixed/32-true")
                 elapsed = time.perf_counter() - train_start

@@ -104,16 +104,17 @@ def build_fabric(args: argparse.Namespace, **fabric_kwargs) -> Fabric:
         fabric = Fabric(**settings, **fabric_kwargs)
     except (ValueError, RuntimeError, TypeError, MisconfigurationException) as err:
         raise UserError(f"cannot launch with {settings}: {str(err).splitlines()[0]}") from err
-    check_precision_supported(settings["precision"], fabric.device)
+    check_precision_supported(settings["precision"], fabric.strategy.precision.precision, fabric.device)
     if isinstance(fabric.strategy, DeepSpeedStrategy):
         configure_deepspeed(fabric.strategy.config, args.grad_clip, args.grad_accum)
     return fabric
 
 
-def check_precision_supported(precision: str, device: torch.device) -> None:
-    """Fabric swaps fp16 for bf16 on CPUs behind a warning, and lets bf16 through on GPUs without it."""
+def check_precision_supported(precision: str, built: str, device: torch.device) -> None:
+    """Fabric swaps 16-mixed for bf16-mixed on CPUs behind a warning (``built`` is what it chose), and lets bf16
+    through on GPUs without it."""
     precision = str(precision)
-    if device.type == "cpu" and precision.startswith(("16", "transformer-engine")):
+    if device.type == "cpu" and precision.startswith(("16", "transformer-engine")) and built != "16-mixed":
         raise UserError(f"--precision {precision} needs a CUDA GPU (fp16 with loss scaling); on a CPU use "
                         f"bf16-mixed or 32-true, or leave --precision auto")
     if device.type == "cuda" and precision.startswith("bf16") and not torch.cuda.is_bf16_supported():
