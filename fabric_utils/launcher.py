@@ -78,10 +78,11 @@ def resolve_launch_settings(args: argparse.Namespace) -> dict:
 
 
 def auto_precision(accelerator: str) -> str:
-    """bf16 autocast where the hardware runs bf16 natively, fp16 with loss scaling on older GPUs, else fp32."""
+    """bf16 autocast where the hardware runs bf16 natively, fp16 with loss scaling on older GPUs, else fp32.
+    ``torch.cuda.is_bf16_supported()`` alone also counts GPUs that only emulate bf16 (V100, T4)."""
     use_cuda = accelerator in ("cuda", "gpu") or (accelerator == "auto" and torch.cuda.is_available())
     if use_cuda:
-        return "bf16-mixed" if torch.cuda.is_bf16_supported() else "16-mixed"
+        return "bf16-mixed" if torch.cuda.is_bf16_supported(including_emulation=False) else "16-mixed"
     if accelerator in ("cpu", "auto") and cpu_has_native_bf16():
         return "bf16-mixed"
     return "32-true"
@@ -112,14 +113,15 @@ def build_fabric(args: argparse.Namespace, **fabric_kwargs) -> Fabric:
 
 def check_precision_supported(precision: str, built: str, device: torch.device) -> None:
     """Fabric swaps 16-mixed for bf16-mixed on CPUs behind a warning (``built`` is what it chose), and lets bf16
-    through on GPUs without it."""
+    through on GPUs that only emulate it."""
     precision = str(precision)
     if device.type == "cpu" and precision.startswith(("16", "transformer-engine")) and built != "16-mixed":
         raise UserError(f"--precision {precision} needs a CUDA GPU (fp16 with loss scaling); on a CPU use "
                         f"bf16-mixed or 32-true, or leave --precision auto")
-    if device.type == "cuda" and precision.startswith("bf16") and not torch.cuda.is_bf16_supported():
-        raise UserError(f"--precision {precision}: this GPU has no bf16 support; use 16-mixed or leave "
-                        f"--precision auto")
+    if device.type == "cuda" and precision.startswith("bf16") and not torch.cuda.is_bf16_supported(
+            including_emulation=False):
+        raise UserError(f"--precision {precision}: this GPU has no native bf16 (that needs compute capability 8.0+, "
+                        f"e.g. A100 or H100); use 16-mixed or leave --precision auto")
 
 
 def configure_deepspeed(config: dict, grad_clip: float, grad_accum: int) -> None:
