@@ -15,9 +15,11 @@ from pathlib import Path
 import torch
 from lightning.fabric import Fabric
 from lightning.fabric.accelerators import ACCELERATOR_REGISTRY
+from lightning.fabric.plugins.precision import DeepSpeedPrecision, Precision
 from lightning.fabric.plugins.precision.precision import _PRECISION_INPUT_STR, _PRECISION_INPUT_STR_ALIAS
 from lightning.fabric.strategies import STRATEGY_REGISTRY, DeepSpeedStrategy
 from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
 from fabric_utils.errors import UserError
 
@@ -106,6 +108,7 @@ def build_fabric(args: argparse.Namespace, **fabric_kwargs) -> Fabric:
     except (ValueError, RuntimeError, TypeError, MisconfigurationException) as err:
         raise UserError(f"cannot launch with {settings}: {str(err).splitlines()[0]}") from err
     check_precision_supported(settings["precision"], fabric.strategy.precision.precision, fabric.device)
+    warn_if_updates_vanish(fabric.strategy.precision, lr=args.lr)
     if isinstance(fabric.strategy, DeepSpeedStrategy):
         configure_deepspeed(fabric.strategy.config, args.grad_clip, args.grad_accum)
     return fabric
@@ -122,6 +125,16 @@ def check_precision_supported(precision: str, built: str, device: torch.device) 
             including_emulation=False):
         raise UserError(f"--precision {precision}: this GPU has no native bf16 (that needs compute capability 8.0+, "
                         f"e.g. A100 or H100); use 16-mixed or leave --precision auto")
+
+
+def warn_if_updates_vanish(plugin: Precision, lr: float) -> None:
+    """bf16 holds 8 significant bits, so bf16 weights round away any step below 1/512 of their size: at fine-tuning
+    learning rates most weights of a pretrained model never move (DeepSpeed keeps fp32 master weights; the plain
+    and FSDP plugins do not)."""
+    if plugin.precision == "bf16-true" and not isinstance(plugin, DeepSpeedPrecision):
+        rank_zero_warn(f"--precision bf16-true keeps the weights in bf16, which rounds away updates below 1/512 of a "
+                       f"weight: at --lr {lr:g}, AdamW leaves weights larger than {512 * lr:.2g} unchanged; use "
+                       f"bf16-mixed (bf16 compute, fp32 weights) unless memory forces bf16-true")
 
 
 def configure_deepspeed(config: dict, grad_clip: float, grad_accum: int) -> None:

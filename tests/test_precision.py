@@ -5,11 +5,14 @@ import csv
 import math
 import os
 import sys
+import warnings
 
 import pytest
 import torch
 
 from conftest import REPO, SHIMS, SMALL_DEMO, run, train
+from fabric_utils.args import parse_args
+from fabric_utils.launcher import build_fabric
 
 FP16_CPU = ["--accelerator", "cpu", "--precision", "16-mixed", *SMALL_DEMO, "--log-every", "1"]
 
@@ -51,3 +54,11 @@ def test_fp16_run_that_diverges_still_stops_with_one_line(fp16_cpu, tmp_path):
     assert result.returncode == 2, result.stderr[-3000:]
     assert "error: the training loss became" in result.stderr
     assert not (tmp_path / "results.json").exists()
+
+
+def test_bf16_true_precision_warns_that_small_updates_vanish():
+    with pytest.warns(UserWarning, match=r"bf16-true .* at --lr 5e-05, .* use bf16-mixed"):
+        build_fabric(parse_args(["--accelerator", "cpu", "--precision", "bf16-true", "--lr", "5e-5"]))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*rounds away updates")
+        build_fabric(parse_args(["--accelerator", "cpu", "--precision", "bf16-mixed"]))
