@@ -115,8 +115,8 @@ def build_fabric(args: argparse.Namespace, **fabric_kwargs) -> Fabric:
 
 
 def check_precision_supported(precision: str, built: str, device: torch.device) -> None:
-    """Fabric swaps 16-mixed for bf16-mixed on CPUs behind a warning (``built`` is what it chose), and lets bf16
-    through on GPUs that only emulate it."""
+    """Fabric swaps 16-mixed for bf16-mixed on CPUs behind a warning (``built`` is what it chose; only the tests'
+    CPU shim builds real fp16 there), and lets bf16 through on GPUs that only emulate it."""
     precision = str(precision)
     if device.type == "cpu" and precision.startswith(("16", "transformer-engine")) and built != "16-mixed":
         raise UserError(f"--precision {precision} needs a CUDA GPU (fp16 with loss scaling); on a CPU use "
