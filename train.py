@@ -24,7 +24,7 @@ from fabric_utils.args import build_parser, parse_flags
 from fabric_utils.checkpoint import find_resume_checkpoint, load_checkpoint, save_checkpoint
 from fabric_utils.errors import UserError, exit_on_user_error
 from fabric_utils.export import export_model
-from fabric_utils.launcher import build_fabric, clips_in_loop, launch
+from fabric_utils.launcher import build_fabric, clips_in_loop, launch, warn_if_updates_vanish
 from fabric_utils.loggers import finalize_loggers, make_loggers, plot_metrics, save_tracker_ids, saved_tracker_ids
 from fabric_utils.optim import build_optimizer, build_scheduler, count_warmup_steps
 from fabric_utils.preemption import Preemption
@@ -54,6 +54,7 @@ def setup(argv=None) -> dict:
     fabric = build_fabric(accelerator=args.accelerator, devices=args.devices, num_nodes=args.num_nodes,
                           strategy=args.strategy, precision=args.precision, grad_clip=args.grad_clip,
                           grad_accum=args.grad_accum, loggers=loggers)                   # Fabric step 1
+    warn_if_updates_vanish(fabric.strategy.precision, lr=args.lr)
     launch(fabric)                                                                           # Fabric step 2
     out_dir = Path(fabric.broadcast(str(out_dir)))  # ranks started apart in time agree on rank 0's folder
     return main(fabric, args, out_dir)
@@ -181,8 +182,9 @@ def fit(fabric, args, state, loaders, preemption, ckpt_dir, max_steps, flops_of,
 
 def log_step(fabric, progress, monitor, step, lr, max_lr) -> None:
     logged = progress.log(step, lr)
-    # every rank sees the same loss, so all stop here together; 16-mixed's scaler skips non-finite steps itself
-    if not math.isfinite(logged["train/loss"]) and fabric.strategy.precision.precision != "16-mixed":
+    # every rank sees the same loss, so all stop here together. Under 16-mixed too: the loss scaler skips steps whose
+    # gradients overflow, but the loss itself stays finite then; a non-finite loss means the run diverged
+    if not math.isfinite(logged["train/loss"]):
         raise UserError(f"the training loss became {logged['train/loss']} by step {step}: lower --lr (now {max_lr}), "
                         f"keep --grad-clip on, or use --precision bf16-mixed/32-true")
     progress.show(monitor.log(step))

@@ -15,9 +15,11 @@ from pathlib import Path
 import torch
 from lightning.fabric import Fabric
 from lightning.fabric.accelerators import ACCELERATOR_REGISTRY
+from lightning.fabric.plugins.precision import DeepSpeedPrecision, Precision
 from lightning.fabric.plugins.precision.precision import _PRECISION_INPUT_STR, _PRECISION_INPUT_STR_ALIAS
 from lightning.fabric.strategies import STRATEGY_REGISTRY, DeepSpeedStrategy
 from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
 from fabric_utils.errors import UserError
 
@@ -79,10 +81,11 @@ def resolve_launch_settings(flags: dict) -> dict:
 
 
 def auto_precision(accelerator: str) -> str:
-    """bf16 autocast where the hardware runs bf16 natively, fp16 with loss scaling on older GPUs, else fp32."""
+    """bf16 autocast where the hardware runs bf16 natively, fp16 with loss scaling on older GPUs, else fp32.
+    ``torch.cuda.is_bf16_supported()`` alone also counts GPUs that only emulate bf16 (V100, T4)."""
     use_cuda = accelerator in ("cuda", "gpu") or (accelerator == "auto" and torch.cuda.is_available())
     if use_cuda:
-        return "bf16-mixed" if torch.cuda.is_bf16_supported() else "16-mixed"
+        return "bf16-mixed" if torch.cuda.is_bf16_supported(including_emulation=False) else "16-mixed"
     if accelerator in ("cpu", "auto") and cpu_has_native_bf16():
         return "bf16-mixed"
     return "32-true"
@@ -108,21 +111,33 @@ def build_fabric(accelerator=None, devices=None, num_nodes=None, strategy=None, 
         fabric = Fabric(**settings, **fabric_kwargs)
     except (ValueError, RuntimeError, TypeError, MisconfigurationException) as err:
         raise UserError(f"cannot launch with {settings}: {str(err).splitlines()[0]}") from err
-    check_precision_supported(settings["precision"], fabric.device)
+    check_precision_supported(settings["precision"], fabric.strategy.precision.precision, fabric.device)
     if isinstance(fabric.strategy, DeepSpeedStrategy):
         configure_deepspeed(fabric.strategy.config, grad_clip, grad_accum)
     return fabric
 
 
-def check_precision_supported(precision: str, device: torch.device) -> None:
-    """Fabric swaps fp16 for bf16 on CPUs behind a warning, and lets bf16 through on GPUs without it."""
+def check_precision_supported(precision: str, built: str, device: torch.device) -> None:
+    """Fabric swaps 16-mixed for bf16-mixed on CPUs behind a warning (``built`` is what it chose; only the tests'
+    CPU shim builds real fp16 there), and lets bf16 through on GPUs that only emulate it."""
     precision = str(precision)
-    if device.type == "cpu" and precision.startswith(("16", "transformer-engine")):
+    if device.type == "cpu" and precision.startswith(("16", "transformer-engine")) and built != "16-mixed":
         raise UserError(f"--precision {precision} needs a CUDA GPU (fp16 with loss scaling); on a CPU use "
                         f"bf16-mixed or 32-true, or leave --precision auto")
-    if device.type == "cuda" and precision.startswith("bf16") and not torch.cuda.is_bf16_supported():
-        raise UserError(f"--precision {precision}: this GPU has no bf16 support; use 16-mixed or leave "
-                        f"--precision auto")
+    if device.type == "cuda" and precision.startswith("bf16") and not torch.cuda.is_bf16_supported(
+            including_emulation=False):
+        raise UserError(f"--precision {precision}: this GPU has no native bf16 (that needs compute capability 8.0+, "
+                        f"e.g. A100 or H100); use 16-mixed or leave --precision auto")
+
+
+def warn_if_updates_vanish(plugin: Precision, lr: float) -> None:
+    """bf16 holds 8 significant bits, so bf16 weights round away any step below 1/512 of their size: at fine-tuning
+    learning rates most weights of a pretrained model never move (DeepSpeed keeps fp32 master weights; the plain
+    and FSDP plugins do not)."""
+    if plugin.precision == "bf16-true" and not isinstance(plugin, DeepSpeedPrecision):
+        rank_zero_warn(f"--precision bf16-true keeps the weights in bf16, which rounds away updates below 1/512 of a "
+                       f"weight: at --lr {lr:g}, AdamW leaves weights larger than {512 * lr:.2g} unchanged; use "
+                       f"bf16-mixed (bf16 compute, fp32 weights) unless memory forces bf16-true")
 
 
 def configure_deepspeed(config: dict, grad_clip: float, grad_accum: int) -> None:

@@ -2,6 +2,7 @@
 
 import lightning.fabric.fabric
 import pytest
+import torch
 from lightning.fabric.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
 from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy, DeepSpeedStrategy, FSDPStrategy
 
@@ -71,16 +72,35 @@ def test_precision_the_hardware_lacks_is_a_user_error():
         fabric_for("--accelerator", "cpu", "--precision", "16-mixed")
 
 
+def fake_gpu(monkeypatch, native_bf16: bool) -> None:
+    """A GPU as torch.cuda reports it: every CUDA GPU emulates bf16 (V100, T4), only compute capability 8.0+ has it
+    natively (A100, H100)."""
+    monkeypatch.setattr(launcher.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(launcher.torch.cuda, "is_bf16_supported",
+                        lambda including_emulation=True: native_bf16 or including_emulation)
+
+
 @pytest.mark.parametrize("cuda, cuda_bf16, cpu_bf16, expected", [
     (True, True, False, "bf16-mixed"), (True, False, False, "16-mixed"),
     (False, False, True, "bf16-mixed"), (False, False, False, "32-true"),
 ])
 def test_auto_precision(monkeypatch, cuda, cuda_bf16, cpu_bf16, expected):
-    monkeypatch.setattr(launcher.torch.cuda, "is_available", lambda: cuda)
-    monkeypatch.setattr(launcher.torch.cuda, "is_bf16_supported", lambda: cuda_bf16)
+    if cuda:
+        fake_gpu(monkeypatch, native_bf16=cuda_bf16)
+    else:
+        monkeypatch.setattr(launcher.torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(launcher, "cpu_has_native_bf16", lambda: cpu_bf16)
     assert launcher.auto_precision("auto") == expected
     assert launcher.resolve_launch_settings(vars(parse_args([])))["precision"] == expected
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
+def test_bf16_precision_on_a_gpu_that_only_emulates_it_is_a_user_error(monkeypatch, precision):
+    fake_gpu(monkeypatch, native_bf16=False)
+    with pytest.raises(UserError, match="16-mixed"):
+        launcher.check_precision_supported(precision, built=precision, device=torch.device("cuda"))
+    fake_gpu(monkeypatch, native_bf16=True)
+    launcher.check_precision_supported(precision, built=precision, device=torch.device("cuda"))
 
 
 def test_auto_precision_on_this_cpu_follows_its_flags():

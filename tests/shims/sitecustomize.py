@@ -1,10 +1,15 @@
-"""Test-only shim: lets Fabric's DeepSpeed strategy run on CPU processes (gloo), so the DeepSpeed flags can be
-tested end to end on a machine without a GPU. Never used outside tests.
+"""Test-only shims that let CUDA-only paths run on CPU, so they can be tested end to end on a machine without a GPU.
+Never used outside tests. Each is switched on by its own environment variable.
 
+FABRIC_TEMPLATE_DEEPSPEED_CPU=1 lets Fabric's DeepSpeed strategy run on CPU processes (gloo).
 Fabric refuses DeepSpeed unless the accelerator is CUDA, checks that device indices match local ranks (CPU devices
 have no index), and passes ``device_rank=None`` to ``deepspeed.initialize`` on CPU where DeepSpeed expects an int.
-DeepSpeed itself runs ZeRO 2 and 3 on CPU tensors. Python imports this file at start-up when tests put this folder
-on PYTHONPATH and set FABRIC_TEMPLATE_DEEPSPEED_CPU=1; child processes started by Fabric inherit both.
+DeepSpeed itself runs ZeRO 2 and 3 on CPU tensors.
+
+FABRIC_TEMPLATE_FP16_CPU=1 makes ``--precision 16-mixed`` on CPU real fp16 autocast with a loss scaler.
+
+Python imports this file at start-up when tests put this folder on PYTHONPATH and set a variable; child processes
+started by Fabric inherit both.
 """
 
 import os
@@ -24,3 +29,24 @@ if os.environ.get("FABRIC_TEMPLATE_DEEPSPEED_CPU") == "1":
         return _initialize(*args, **kwargs)
 
     deepspeed.initialize = initialize
+
+# fp16 autocast with loss scaling on CPU, so the 16-mixed path (scaler, skipped overflow steps) can be tested without a
+# GPU. Fabric swaps 16-mixed for bf16-mixed on CPU behind a warning; torch itself has fp16 CPU autocast and a CPU
+# GradScaler, so this undoes the swap. FABRIC_TEMPLATE_FP16_CPU_INIT_SCALE sets the scaler's first scale (torch's
+# default 2**16): a huge one forces overflow steps.
+if os.environ.get("FABRIC_TEMPLATE_FP16_CPU") == "1":
+    import torch
+    from lightning.fabric.connector import _Connector
+    from lightning.fabric.plugins.precision import MixedPrecision
+
+    _check_and_init_precision = _Connector._check_and_init_precision
+
+    def check_and_init_precision(self):
+        asked = self._precision_input
+        plugin = _check_and_init_precision(self)
+        if asked == "16-mixed" and type(plugin) is MixedPrecision and plugin.precision == "bf16-mixed":
+            init_scale = float(os.environ.get("FABRIC_TEMPLATE_FP16_CPU_INIT_SCALE", 2.0**16))
+            return MixedPrecision("16-mixed", device="cpu", scaler=torch.amp.GradScaler("cpu", init_scale=init_scale))
+        return plugin
+
+    _Connector._check_and_init_precision = check_and_init_precision
