@@ -65,6 +65,13 @@ def build_parser() -> argparse.ArgumentParser:
                    "or folder with train/validation/test files")
     g.add_argument("--text-column", default="text")
     g.add_argument("--label-column", default="label")
+    g.add_argument("--problem-type", choices=("auto", "single_label", "multi_label", "regression"), default="auto",
+                   help="auto: from the train split's labels: lists (or strings with --label-separator) are "
+                        "multi_label, numbers with fractions regression, integers and strings single_label")
+    g.add_argument("--label-separator", help="multi_label: split each string label on this, e.g. ',' or '|'")
+    g.add_argument("--drop-invalid", action="store_true",
+                   help="leave out rows with empty text, a missing or mistyped label, or a label the train split "
+                        "lacks (counted per split) instead of stopping with an error")
     g.add_argument("--train-size", type=positive_int, help="use a random subset of this many training rows")
     g.add_argument("--val-size", type=positive_int, help="validation rows (carved from train if the data has none; "
                    "default 5,000 or a fifth of train)")
