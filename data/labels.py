@@ -52,7 +52,9 @@ def resolve_problem_type(train: datasets.Dataset, column: str, problem_type: str
     if problem_type == "multi_label" and kind == "str" and not separator:
         raise UserError(f"column {column!r} holds strings, not lists: for --problem-type multi_label set "
                         f"--label-separator (e.g. ',') or store each row's labels as a list (parquet, JSON lines)")
-    class_kind = element_kind if problem_type == "multi_label" and kind == "list" else kind
+    class_kind = kind
+    if problem_type == "multi_label" and kind == "list":  # only empty lists have no element kind: label_names says
+        class_kind = element_kind or "str"
     if problem_type == "single_label" and class_kind == "float":
         class_kind = "int"  # numbers with a fraction: read as class ids, and the fractions named as bad rows
     if class_kind not in ("int", "str"):
@@ -102,12 +104,12 @@ def label_names(train_values: pa.Array, feature, problem_type: str, kind: str | 
     if isinstance(feature, datasets.ClassLabel):
         return list(feature.names)
     classes = pc.unique(_class_elements(train_values)[0])
+    if len(classes) == 0:  # multi_label rows that all have an empty list
+        raise UserError(f"no row of the train split has a label in column {column!r}")
     names = [str(i) for i in range(pc.max(classes).as_py() + 1)] if kind == "int" else sorted(classes.to_pylist())
     if problem_type == "single_label" and len(names) < 2:
         raise UserError(f"the train split has only one label {names} in column {column!r}: single-label "
                         f"classification needs two or more")
-    if not names:
-        raise UserError(f"no row of the train split has a label in column {column!r}")
     return names
 
 
@@ -139,7 +141,7 @@ def _train_kinds(train: datasets.Dataset, column: str) -> tuple[str, str | None]
         return _most_common(map(_kind, values)), _most_common(map(_kind, elements))
     arrow_type = train.data.column(column).type
     if pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type):
-        return "list", _arrow_kind(arrow_type.value_type)
+        return "list", None if pa.types.is_null(arrow_type.value_type) else _arrow_kind(arrow_type.value_type)
     kind = _arrow_kind(arrow_type)
     if kind == "float" and _all_whole(train.data.column(column)):
         kind = "int"  # integer labels with an empty cell: pandas reads them as floats

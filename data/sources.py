@@ -75,7 +75,7 @@ def _check_and_encode(raw: datasets.DatasetDict, files: dict[str, Path], text_co
             problems.update(unseen_labels(labels[name], labels["train"]))
         problems = {f"missing or empty text in column {text_column!r}": _blank_text(split, text_column),
                     **{f"{why} in column {label_column!r}": rows for why, rows in problems.items()}}
-        keep, why = _keep_rows(name, problems, files.get(name), drop_invalid)
+        keep, why = _keep_rows(name, len(split), problems, files.get(name), drop_invalid)
         kept[name] = split if keep.all() else split.select(np.flatnonzero(keep))
         labels[name] = labels[name].filter(keep)
         if why:
@@ -98,10 +98,10 @@ def _blank_text(split: datasets.Dataset, column: str) -> np.ndarray:
     return pc.fill_null(is_blank(text), True).to_numpy(zero_copy_only=False)
 
 
-def _keep_rows(split: str, problems: dict[str, np.ndarray], path: Path | None, drop_invalid: bool):
+def _keep_rows(split: str, num_rows: int, problems: dict[str, np.ndarray], path: Path | None, drop_invalid: bool):
     """The rows to keep and, per reason, how many are dropped (a row with several problems counts once, for the
     first). Without ``drop_invalid`` the first problem found is an error naming its first rows."""
-    bad, dropped = np.zeros(len(next(iter(problems.values()))), dtype=bool), {}
+    bad, dropped = np.zeros(num_rows, dtype=bool), {}
     for why, rows in problems.items():
         if not rows.any():
             continue

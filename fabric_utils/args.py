@@ -5,6 +5,7 @@ import os
 
 import yaml
 
+from data.labels import PROBLEM_TYPES
 from fabric_utils.errors import UserError
 from fabric_utils.launcher import add_launch_args
 
@@ -65,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "or folder with train/validation/test files")
     g.add_argument("--text-column", default="text")
     g.add_argument("--label-column", default="label")
-    g.add_argument("--problem-type", choices=("auto", "single_label", "multi_label", "regression"), default="auto",
+    g.add_argument("--problem-type", choices=("auto", *PROBLEM_TYPES), default="auto",
                    help="auto: from the train split's labels: lists (or strings with --label-separator) are "
                         "multi_label, numbers with fractions regression, integers and strings single_label")
     g.add_argument("--label-separator", help="multi_label: split each string label on this, e.g. ',' or '|'")

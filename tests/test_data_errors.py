@@ -94,6 +94,21 @@ def test_labels_the_train_split_lacks(tmp_path):
         f"rows out")
 
 
+@pytest.mark.parametrize("data, message", [
+    (frame([3, 4, 5, 6], texts=[1, 2, 3, 4]),
+     "column 'text' holds int64 values, not text: set --text-column to the column with the text"),
+    (frame(["pos"] * 4),  # one output unit would silently turn the model into a regressor
+     "the train split has only one label ['pos'] in column 'label': single-label classification needs two or more"),
+    (frame([[], []]), "no row of the train split has a label in column 'label'"),
+    (frame([True, False]), "cannot tell the problem type from column 'label' of the train split, which holds bool "
+                           "values: set --label-column or --problem-type"),
+])
+def test_columns_that_cannot_train_a_model(tmp_path, data, message):
+    path = tmp_path / "r.parquet"
+    pd.concat([data] * 5).to_parquet(path)
+    assert error_of(path) == message
+
+
 def test_drop_invalid_counts_each_dropped_row_once_per_split(tmp_path):
     train = frame(["neg", "pos"] * 10)
     train.loc[[2, 5], "text"] = ["", None]
