@@ -110,7 +110,8 @@ def _keep_rows(split: str, num_rows: int, problems: dict[str, np.ndarray], path:
             raise UserError(f"the {split} split has {_rows(len(where))} with {why}, first at "
                             f"{_where(where[:5].tolist(), path)}; fix the data or pass --drop-invalid to leave "
                             f"such rows out")
-        dropped[why] = int((rows & ~bad).sum())
+        if (rows & ~bad).any():
+            dropped[why] = int((rows & ~bad).sum())
         bad |= rows
     if bad.all():
         raise UserError(f"--drop-invalid left no rows in the {split} split ({', '.join(dropped)})")

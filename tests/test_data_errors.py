@@ -114,22 +114,27 @@ def test_drop_invalid_counts_each_dropped_row_once_per_split(tmp_path):
     train.loc[[2, 5], "text"] = ["", None]
     train.loc[[5, 9], "label"] = None  # row 5 has both problems: counted once, for its text
     train.to_parquet(tmp_path / "train.parquet")
-    frame(["pos", "neutral", "neg", None]).to_parquet(tmp_path / "validation.parquet")
+    frame(["pos", "neutral", "neg", None], texts=["good", "so-so", "bad", " "]).to_parquet(
+        tmp_path / "validation.parquet")  # the last row lacks both: no "0 with missing labels" in the report
     frame(["neg", "pos"] * 3).to_parquet(tmp_path / "test.parquet")
     data = load_splits(tmp_path, drop_invalid=True)
     assert {name: len(split) for name, split in data.splits.items()} == {"train": 17, "validation": 2, "test": 6}
     assert data.dropped == {"train": {"missing or empty text in column 'text'": 2,
                                       "missing or empty labels in column 'label'": 1},
-                            "validation": {"missing or empty labels in column 'label'": 1,
+                            "validation": {"missing or empty text in column 'text'": 1,
                                            "labels not seen in training ['neutral'] in column 'label'": 1}}
     assert data.drop_report() == [
         "--drop-invalid left out 3 rows of the train split: 2 with missing or empty text in column 'text', 1 with "
         "missing or empty labels in column 'label'",
-        "--drop-invalid left out 2 rows of the validation split: 1 with missing or empty labels in column 'label', "
+        "--drop-invalid left out 2 rows of the validation split: 1 with missing or empty text in column 'text', "
         "1 with labels not seen in training ['neutral'] in column 'label'"]
     kept = train.drop(index=[2, 5, 9])
     assert data.splits["train"]["text"] == kept["text"].tolist()  # the rows that stay, in order, with their labels
     assert [data.label_names[i] for i in data.splits["train"]["labels"]] == kept["label"].tolist()
+    frame(["neutral", None]).to_parquet(tmp_path / "validation.parquet")
+    assert error_of(tmp_path, drop_invalid=True) == (
+        "--drop-invalid left no rows in the validation split (missing or empty labels in column 'label', labels not "
+        "seen in training ['neutral'] in column 'label')")
 
 
 def test_bad_rows_end_the_run_before_anything_is_written(tmp_path):
