@@ -25,6 +25,7 @@ from torchmetrics.regression import MeanSquaredError, PearsonCorrCoef
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
 from data.demo import prepare_demo
+from data.labels import PROBLEM_TYPES
 from data.sources import load_splits
 from data.tokenize import tokenize_splits
 from fabric_utils.args import dropout, positive_int
@@ -44,6 +45,13 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                    "or folder with train/validation/test files")
     g.add_argument("--text-column", default="text")
     g.add_argument("--label-column", default="label")
+    g.add_argument("--problem-type", choices=("auto", *PROBLEM_TYPES), default="auto",
+                   help="auto: from the train split's labels: lists (or strings with --label-separator) are "
+                        "multi_label, numbers with fractions regression, integers and strings single_label")
+    g.add_argument("--label-separator", help="multi_label: split each string label on this, e.g. ',' or '|'")
+    g.add_argument("--drop-invalid", action="store_true",
+                   help="leave out rows with empty text, a missing or mistyped label, or a label the train split "
+                        "lacks (counted per split) instead of stopping with an error")
     g.add_argument("--train-size", type=positive_int, help="use a random subset of this many training rows")
     g.add_argument("--val-size", type=positive_int, help="validation rows (carved from train if the data has none; "
                    "default 5,000 or a fifth of train)")
@@ -80,17 +88,21 @@ class TaskData:
     problem_type: str  # single_label, multi_label or regression
     tokenizer: object
     model_source: str  # --model, or the demo's model folder
+    notes: list[str]  # what the loading did that a user should know (rows --drop-invalid left out)
 
 
 def load_data(dataset: str, model: str, demo: bool, text_column: str, label_column: str, max_length: int,
-              seed: int, train_size=None, val_size=None, test_size=None) -> TaskData:
-    """Rows -> tokenized splits. Tokenization is cached by the data's fingerprint, the tokenizer and max_length."""
+              seed: int, train_size=None, val_size=None, test_size=None, problem_type="auto", label_separator=None,
+              drop_invalid=False) -> TaskData:
+    """Rows -> checked, labelled, tokenized splits (tokenization is cached by the data's fingerprint, the tokenizer
+    and max_length). Bad rows stop the run with a UserError naming them, or are dropped with ``drop_invalid``."""
     if demo:
         dataset, model = map(str, prepare_demo(DEMO_ROOT))
-    data = load_splits(dataset, text_column, label_column, seed, train_size, val_size, test_size)
+    data = load_splits(dataset, text_column, label_column, seed, train_size, val_size, test_size,
+                       problem_type=problem_type, label_separator=label_separator, drop_invalid=drop_invalid)
     tokenizer = load_tokenizer(model)
     tokenized = tokenize_splits(data.splits, tokenizer, text_column, max_length)
-    return TaskData(tokenized, data.label_names, getattr(data, "problem_type", "single_label"), tokenizer, model)
+    return TaskData(tokenized, data.label_names, data.problem_type, tokenizer, model, data.drop_report())
 
 
 def _check_source(source: str) -> None:
@@ -107,10 +119,15 @@ def load_tokenizer(source: str):
 
 
 # ---- model -----------------------------------------------------------------------------------------------------------
-def build_model(source: str, label_names: list[str], attention_dropout: float | None, hidden_dropout: float | None,
-                grad_checkpointing: bool = False) -> torch.nn.Module:
-    """The pretrained encoder with a fresh classification head for ``label_names`` (never running remote code).
-    A dropout of None keeps the model's own."""
+HF_PROBLEM_TYPES = {"single_label": "single_label_classification", "multi_label": "multi_label_classification",
+                    "regression": "regression"}
+
+
+def build_model(source: str, label_names: list[str], problem_type: str, attention_dropout: float | None,
+                hidden_dropout: float | None, grad_checkpointing: bool = False) -> torch.nn.Module:
+    """The pretrained encoder with a fresh head for ``label_names`` (never running remote code). Its config carries
+    the problem type and the label names, so the exported model predicts the right way (softmax, sigmoid or a
+    number). A dropout of None keeps the model's own."""
     _check_source(source)
     try:
         config = AutoConfig.from_pretrained(source, trust_remote_code=False)
@@ -128,7 +145,8 @@ def build_model(source: str, label_names: list[str], attention_dropout: float | 
         overrides.update(hidden_dropout_prob=hidden_dropout, dropout=hidden_dropout)
     model = AutoModelForSequenceClassification.from_pretrained(
         source, num_labels=len(label_names), id2label=dict(enumerate(label_names)),
-        label2id={name: i for i, name in enumerate(label_names)}, trust_remote_code=False,
+        label2id={name: i for i, name in enumerate(label_names)}, problem_type=HF_PROBLEM_TYPES[problem_type],
+        trust_remote_code=False,
         **{k: v for k, v in overrides.items() if hasattr(config, k)})
     if grad_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -72,9 +72,15 @@ def main(fabric, args, out_dir: Path) -> dict:
     with fabric.rank_zero_first(local=True):  # rank 0 of each node tokenizes first; the others read its cache
         data = task.load_data(dataset=args.dataset, model=args.model, demo=args.demo, text_column=args.text_column,
                               label_column=args.label_column, max_length=args.max_length, seed=args.seed,
-                              train_size=args.train_size, val_size=args.val_size, test_size=args.test_size)
-    model = task.build_model(data.model_source, data.label_names, attention_dropout=args.attention_dropout,
-                             hidden_dropout=args.hidden_dropout, grad_checkpointing=args.grad_checkpointing)
+                              train_size=args.train_size, val_size=args.val_size, test_size=args.test_size,
+                              problem_type=args.problem_type, label_separator=args.label_separator,
+                              drop_invalid=args.drop_invalid)
+    for note in data.notes:
+        fabric.print(note)
+    args.problem_type = data.problem_type  # config.yaml records what auto chose
+    model = task.build_model(data.model_source, data.label_names, data.problem_type,
+                             attention_dropout=args.attention_dropout, hidden_dropout=args.hidden_dropout,
+                             grad_checkpointing=args.grad_checkpointing)
     save_config(fabric, args, out_dir)  # only now: bad data or model must leave the folder untouched
     save_tracker_ids(fabric, out_dir)  # starts the tracked runs (MLflow, W&B) and keeps their ids for a resume
     loaders = make_dataloaders(
@@ -100,7 +106,7 @@ def main(fabric, args, out_dir: Path) -> dict:
     # the samplers already shard rows across ranks, so Fabric only moves batches to the device
     loaders = dict(zip(loaders, fabric.setup_dataloaders(*loaders.values(), use_distributed_sampler=False)))
 
-    meta = {"model": data.model_source, "labels": data.label_names}
+    meta = {"model": data.model_source, "labels": data.label_names, "problem_type": data.problem_type}
     state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "step": 0, "epoch": 0,
              "batch_in_epoch": 0, "best_val": {}, "meta": meta, "config": vars(args)}
     resume_from = find_resume_checkpoint(args.resume, out_dir / "checkpoints")

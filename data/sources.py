@@ -1,16 +1,23 @@
-"""Load a text-classification dataset as train / validation / test splits with integer labels.
+"""Load a text-classification dataset as train / validation / test splits with a "labels" column.
 
 A source is a hub id (``stanfordnlp/imdb``), one local file (``.parquet``, ``.csv``, ``.json``, ``.jsonl``) or a
-local folder holding ``train`` / ``validation`` / ``test`` files in one of those formats. Splits the source lacks
-are carved from train, deterministically by seed.
+local folder holding ``train`` / ``validation`` / ``test`` files in one of those formats. Every row is checked before
+anything else happens: empty text, a missing or mistyped label, or a label the train split never has stops the run
+with one line that names the split, the column and the first rows (or, with ``drop_invalid``, leaves such rows
+out). Splits the source lacks are then carved from train, deterministically by seed.
 """
 
+import csv
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import datasets
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 
+from data.labels import encode_labels, is_blank, label_names, read_labels, resolve_problem_type, unseen_labels
 from fabric_utils.errors import UserError
 
 LOCAL_FORMATS = {".parquet": "parquet", ".csv": "csv", ".json": "json", ".jsonl": "json"}
@@ -20,13 +27,24 @@ DEFAULT_CARVED_SIZE = 5000
 
 @dataclass
 class LabelledSplits:
-    splits: datasets.DatasetDict  # train / validation / test, columns: text column and "labels" (int)
-    label_names: list[str]
+    splits: datasets.DatasetDict  # train / validation / test: the text column and "labels" (see data/labels.py)
+    label_names: list[str]  # class names in id order; for regression [label column], the model's one output
+    problem_type: str = "single_label"  # or multi_label or regression: picks the loss, the metrics and the head
+    dropped: dict[str, dict[str, int]] = field(default_factory=dict)  # drop_invalid: {split: {why: rows}}
+
+    def drop_report(self) -> list[str]:
+        """One line per split that lost rows to ``drop_invalid``, for the first process to print."""
+        return [f"--drop-invalid left out {_rows(sum(why.values()))} of the {split} split: "
+                + ", ".join(f"{count} with {reason}" for reason, count in why.items())
+                for split, why in self.dropped.items()]
 
 
-def load_splits(source, text_column="text", label_column="label", seed=123,
-                train_size=None, val_size=None, test_size=None) -> LabelledSplits:
-    raw = _load_raw(source)
+def load_splits(source, text_column="text", label_column="label", seed=123, train_size=None, val_size=None,
+                test_size=None, problem_type="auto", label_separator=None, drop_invalid=False) -> LabelledSplits:
+    """``problem_type``: single_label, multi_label, regression, or auto (from the train split's label column).
+    ``label_separator`` splits string labels into a multi_label list. ``drop_invalid`` leaves out the rows that
+    would otherwise stop the run."""
+    raw, files = _load_raw(source)
     for name, split in raw.items():
         missing = [c for c in (text_column, label_column) if c not in split.column_names]
         if missing:
@@ -35,19 +53,104 @@ def load_splits(source, text_column="text", label_column="label", seed=123,
         if len(split) == 0:
             raise UserError(f"the {name} split of {source} is empty")
     raw = raw.select_columns([text_column, label_column])
-    raw, label_names = _labels_to_ids(raw, label_column)
+    problem_type, kind = resolve_problem_type(raw["train"], label_column, problem_type, label_separator)
+    raw, names, dropped = _check_and_encode(raw, files, text_column, label_column, problem_type, kind,
+                                            label_separator, drop_invalid)
     splits = _carve_missing_splits(raw, seed, val_size)
     splits = datasets.DatasetDict({
         name: _subset(split, size, seed)
         for (name, split), size in zip(splits.items(), (train_size, val_size, test_size))
     })
-    return LabelledSplits(splits, label_names)
+    return LabelledSplits(splits, names, problem_type, dropped)
 
 
-def _load_raw(source) -> datasets.DatasetDict:
+def _check_and_encode(raw: datasets.DatasetDict, files: dict[str, Path], text_column: str, label_column: str,
+                      problem_type: str, kind: str | None, separator: str | None, drop_invalid: bool):
+    """Checks every row of every split, stops at (or drops) bad ones, and replaces the label column with "labels".
+    Returns the splits, the label names and the rows dropped per split and reason."""
+    kept, labels, dropped = {}, {}, {}
+    for name, split in raw.items():  # train first: the other splits are checked against its labels
+        labels[name], problems = read_labels(split, label_column, problem_type, kind, separator)
+        if name != "train":
+            problems.update(unseen_labels(labels[name], labels["train"]))
+        problems = {f"missing or empty text in column {text_column!r}": _blank_text(split, text_column),
+                    **{f"{why} in column {label_column!r}": rows for why, rows in problems.items()}}
+        keep, why = _keep_rows(name, len(split), problems, files.get(name), drop_invalid)
+        kept[name] = split if keep.all() else split.select(np.flatnonzero(keep))
+        labels[name] = labels[name].filter(keep)
+        if why:
+            dropped[name] = why
+    names = label_names(labels["train"], raw["train"].features[label_column], problem_type, kind, label_column)
+    encoded = datasets.DatasetDict()
+    for name, split in kept.items():
+        column, feature = encode_labels(labels[name], names, problem_type, kind)
+        encoded[name] = split.remove_columns(label_column).add_column("labels", column, feature=feature)
+    return encoded, names, dropped
+
+
+def _blank_text(split: datasets.Dataset, column: str) -> np.ndarray:
+    text = split.data.column(column)
+    if text.null_count == len(text):  # a CSV column with no text at all reads as numbers
+        return np.ones(len(text), dtype=bool)
+    if not (pa.types.is_string(text.type) or pa.types.is_large_string(text.type)):
+        raise UserError(f"column {column!r} holds {text.type} values, not text: set --text-column to the column "
+                        f"with the text")
+    return pc.fill_null(is_blank(text), True).to_numpy(zero_copy_only=False)
+
+
+def _keep_rows(split: str, num_rows: int, problems: dict[str, np.ndarray], path: Path | None, drop_invalid: bool):
+    """The rows to keep and, per reason, how many are dropped (a row with several problems counts once, for the
+    first). Without ``drop_invalid`` the first problem found is an error naming its first rows."""
+    bad, dropped = np.zeros(num_rows, dtype=bool), {}
+    for why, rows in problems.items():
+        if not rows.any():
+            continue
+        if not drop_invalid:
+            where = np.flatnonzero(rows)
+            raise UserError(f"the {split} split has {_rows(len(where))} with {why}, first at "
+                            f"{_where(where[:5].tolist(), path)}; fix the data or pass --drop-invalid to leave "
+                            f"such rows out")
+        if (rows & ~bad).any():
+            dropped[why] = int((rows & ~bad).sum())
+        bad |= rows
+    if bad.all():
+        raise UserError(f"--drop-invalid left no rows in the {split} split ({', '.join(dropped)})")
+    return ~bad, dropped
+
+
+def _where(rows: list[int], path: Path | None) -> str:
+    """Where rows are, as a user finds them: lines of a CSV file (what an editor shows), else data rows."""
+    plural = "s" * (len(rows) > 1)
+    if path is not None and path.suffix == ".csv":
+        return f"line{plural} {', '.join(map(str, _csv_lines(path, rows)))} of {path}"
+    return f"row{plural} {', '.join(map(str, rows))}" + (f" of {path}" if path else "") + " (counted from 0)"
+
+
+def _csv_lines(path: Path, rows: list[int]) -> list[int]:
+    """The file line where each data row (counted from 0) starts. Read as pandas reads it: blank lines are
+    skipped, the first record is the header, and a quoted cell may span several lines."""
+    starts, row, line = {}, -1, 1
+    with open(path, newline="", encoding="utf-8") as f:
+        reader = csv.reader(f)
+        for record in reader:
+            if record:
+                starts[row] = line
+                row += 1
+                if row > max(rows):
+                    break
+            line = reader.line_num + 1
+    return [starts[r] for r in rows]
+
+
+def _rows(count: int) -> str:
+    return f"{count} row{'s' * (count != 1)}"
+
+
+def _load_raw(source) -> tuple[datasets.DatasetDict, dict[str, Path]]:
+    """The source's splits, and for local files, the file of each split."""
     path = Path(source).expanduser()
     if path.is_file():
-        return _load_local({"train": path})
+        return _load_local({"train": path}), {"train": path}
     if path.is_dir():
         files = {}
         for split, aliases in SPLIT_ALIASES.items():
@@ -57,7 +160,7 @@ def _load_raw(source) -> datasets.DatasetDict:
         if "train" not in files:
             raise UserError(f"dataset folder {path} has no train file (expected train.parquet, train.csv, "
                             f"train.json or train.jsonl)")
-        return _load_local(files)
+        return _load_local(files), files
     if path.suffix in LOCAL_FORMATS or str(source).startswith((".", "/", "~")):
         raise UserError(f"dataset path {source} does not exist (pass an existing file or folder to --dataset)")
     try:
@@ -66,7 +169,7 @@ def _load_raw(source) -> datasets.DatasetDict:
         raise UserError(f"could not load dataset {source!r} from the hub ({type(err).__name__}); offline, pass a "
                         f"local file or folder to --dataset") from err
     return datasets.DatasetDict({split: raw[name] for split, aliases in SPLIT_ALIASES.items()
-                                 for name in aliases if name in raw})
+                                 for name in aliases if name in raw}), {}
 
 
 def _load_local(files: dict) -> datasets.DatasetDict:
@@ -87,30 +190,6 @@ def _load_local(files: dict) -> datasets.DatasetDict:
             raise UserError(f"dataset file {files[empty.group(1)]} has no rows") from err
         raise UserError(f"cannot read dataset files {sorted(str(f) for f in files.values())} as {file_format}: "
                         f"{message[:300]}") from err
-
-
-def _labels_to_ids(raw: datasets.DatasetDict, label_column: str):
-    """Map labels to ids 0..K-1. String labels are sorted so every run and rank agrees on the mapping."""
-    feature = raw["train"].features[label_column]
-    if isinstance(feature, datasets.ClassLabel):
-        return raw.rename_column(label_column, "labels"), list(feature.names)
-    values = set()
-    for split in raw.values():
-        values.update(split.unique(label_column))
-    if None in values:
-        raise UserError(f"column {label_column!r} has missing labels")
-    if all(isinstance(v, str) for v in values):
-        names = sorted(values)
-        to_id = {name: i for i, name in enumerate(names)}
-        raw = raw.map(lambda b: {"labels": [to_id[v] for v in b[label_column]]}, batched=True,
-                      remove_columns=[label_column])
-        return raw, names
-    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
-        raise UserError(f"column {label_column!r} must hold integer or string labels, found {sorted(map(repr, values))[:5]}")
-    if min(values) < 0:
-        raise UserError(f"column {label_column!r} has negative labels {sorted(v for v in values if v < 0)[:5]}; "
-                        f"integer labels must be class ids 0..K-1")
-    return raw.rename_column(label_column, "labels"), [str(i) for i in range(max(values) + 1)]
 
 
 def _carve_missing_splits(raw: datasets.DatasetDict, seed: int, val_size) -> datasets.DatasetDict:

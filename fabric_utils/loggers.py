@@ -111,8 +111,8 @@ def finalize_loggers(loggers: list, status: str = "success") -> None:
 
 
 def plot_metrics(out_dir: Path) -> list[Path]:
-    """Loss and accuracy curves (train and validation against step) from every ``metrics.csv`` of the run (a
-    resumed run has one per start), as PNG files."""
+    """One PNG per metric (loss, acc, f1, ...): its train and validation curves against the step, from every
+    ``metrics.csv`` of the run (a resumed run has one per start)."""
     csvs = sorted(out_dir.glob("logs/version_*/metrics.csv"), key=lambda p: int(p.parent.name.split("_")[1]))
     if not csvs:
         return []
@@ -127,7 +127,7 @@ def plot_metrics(out_dir: Path) -> list[Path]:
         frames = [f[f["step"] < frame["step"].min()] for f in frames] + [frame]
     metrics = pd.concat(frames)
     written = []
-    for name in ("loss", "acc"):
+    for name in sorted({column.split("/", 1)[1] for column in metrics if column.startswith(("train/", "val/"))}):
         fig, ax = plt.subplots(figsize=(6, 4))
         for split in ("train", "val"):
             column = f"{split}/{name}"
