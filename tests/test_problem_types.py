@@ -1,0 +1,77 @@
+"""Multi-label and regression train end to end through train.py: their own loss and metrics in results.json, the
+best model picked by the right metric, and an exported config that makes from_pretrained predict the right way."""
+
+import json
+import random
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+
+from conftest import REPO, subprocess_env, train
+from data.demo import NEGATIVE, POSITIVE, make_review, prepare_demo
+
+FAST = ["--accelerator", "cpu", "--precision", "32-true", "--num-workers", "0", "--max-length", "64", "--epochs", "2",
+        "--lr", "3e-3", "--quiet", "--val-size", "100", "--test-size", "100"]
+
+
+@pytest.fixture(scope="module")
+def base_model(tmp_path_factory):
+    """The demo's tiny BERT as a base model (no classification head), so any head size can be put on it."""
+    from transformers import AutoTokenizer, BertModel
+
+    _, demo_model = prepare_demo(tmp_path_factory.mktemp("demo"))
+    folder = tmp_path_factory.mktemp("base")
+    BertModel.from_pretrained(demo_model).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(demo_model).save_pretrained(folder)
+    return folder
+
+
+def reviews(rows: int) -> list[str]:
+    rng = random.Random(0)
+    return [make_review(rng)[0] for _ in range(rows)]
+
+
+def tags(text: str) -> list[str]:
+    words = set(text.split())
+    return [tag for tag, vocabulary in (("praise", POSITIVE), ("complaint", NEGATIVE), ("plot", {"plot"}))
+            if words & set(vocabulary)]
+
+
+def score(text: str) -> float:
+    words = text.split()
+    return (sum(w in POSITIVE for w in words) - sum(w in NEGATIVE for w in words)) / 2
+
+
+EXPORT_CHECK = r"""
+import json, sys
+from transformers import AutoConfig
+config = AutoConfig.from_pretrained(sys.argv[1])
+print(json.dumps({"problem_type": config.problem_type, "labels": list(config.id2label.values())}))
+"""
+
+
+@pytest.mark.parametrize("problem_type", ["multi_label", "regression"])
+def test_problem_type_trains_end_to_end(tmp_path, base_model, problem_type):
+    texts = reviews(1200)
+    labels = [tags(t) for t in texts] if problem_type == "multi_label" else [score(t) for t in texts]
+    pd.DataFrame({"text": texts, "label": labels}).to_parquet(tmp_path / "data.parquet")
+    results = train([*FAST, "--dataset", tmp_path / "data.parquet", "--model", base_model], tmp_path / "run")
+    assert results["config"]["problem_type"] == problem_type  # auto-detected from the label column
+    if problem_type == "multi_label":
+        assert results["test_f1"] > 0.8 and 0 <= results["test_exact_match"] <= 1  # chance F1 is about 0.5
+    else:
+        spread = pd.Series(labels).std()
+        assert results["test_rmse"] < 0.95 * spread and results["test_pearson"] > 0.3  # better than the mean
+    metrics = pd.read_csv(tmp_path / "run" / "logs" / "version_0" / "metrics.csv")
+    best = "val/f1" if problem_type == "multi_label" else "val/rmse"
+    logged = metrics[best].dropna()
+    assert results[best.replace("/", "_")] == pytest.approx(logged.max() if problem_type == "multi_label"
+                                                            else logged.min())  # picked by the right metric
+    done = subprocess.run([sys.executable, "-c", EXPORT_CHECK, str(tmp_path / "run" / "model")], cwd=REPO,
+                          env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    exported = json.loads(done.stdout.strip().splitlines()[-1])
+    expected = {"multi_label": ("multi_label_classification", ["complaint", "plot", "praise"]),
+                "regression": ("regression", ["label"])}[problem_type]
+    assert (exported["problem_type"], exported["labels"]) == expected
