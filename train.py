@@ -67,8 +67,11 @@ def main(argv=None):
     model = load_model(args, data.label_names)
     meta = {"model": args.model, "labels": data.label_names}
     save_config(fabric, args, out_dir)  # only now: bad data or model must leave the folder untouched
-    if args.batch_size == "auto":
-        args.batch_size = find_batch_size(fabric, args, model, tokenizer)
+    torch_optimizer = build_optimizer(model, args, fabric.device)
+    model, optimizer = fabric.setup(model, torch_optimizer)                         # Fabric step 3: wrap
+    if args.batch_size == "auto":  # probed on the model and optimizer as set up: wrapped, sharded, with their state
+        args.batch_size = find_batch_size(fabric, model, optimizer, max_length=args.max_length,
+                                          vocab_size=len(tokenizer))
     collator = make_collator(tokenizer, args.pad_to_max_length, args.max_length, args.pad_to_multiple_of)
     train_loader, val_loader, test_loader = make_dataloaders(
         tokenized, collator, args.batch_size, args.eval_batch_size or 2 * args.batch_size, fabric.world_size,
@@ -79,11 +82,9 @@ def main(argv=None):
     steps_per_epoch = math.ceil(len(train_loader) / args.grad_accum)
     max_steps = args.max_steps or args.epochs * steps_per_epoch
 
-    optimizer = build_optimizer(model, args, fabric.device)
     # on the plain optimizer: DeepSpeed's wrapper is no torch Optimizer, but steps the same parameter groups
-    scheduler = build_scheduler(optimizer, args.scheduler, args.lr, max_steps,
+    scheduler = build_scheduler(torch_optimizer, args.scheduler, args.lr, max_steps,
                                 count_warmup_steps(args.warmup, max_steps))
-    model, optimizer = fabric.setup(model, optimizer)                               # Fabric step 3: wrap
     # the samplers already shard rows across ranks, so Fabric only moves batches to the device
     train_loader, val_loader, test_loader = fabric.setup_dataloaders(
         train_loader, val_loader, test_loader, use_distributed_sampler=False)

@@ -50,8 +50,11 @@ def load_model(args, label_names: list[str]):
 
 
 def _compile(model, mode: str):
+    """An ``OptimizedModule``, as Fabric expects: ``fabric.setup`` unwraps it, wraps the model with the strategy
+    (DDP, FSDP, DeepSpeed) and compiles the wrapper with the same arguments, so every graph is traced under the
+    wrapper (for DDP, dynamo then splits it at gradient-bucket boundaries, letting the all-reduce overlap backward)."""
+    import lightning.fabric  # noqa: F401  (patches torch.compile to record the arguments fabric.setup reapplies)
     import torch
 
     # lengths vary per batch: one dynamic-shape graph instead of a recompile per padded length
-    model.forward = torch.compile(model.forward, mode=mode, dynamic=True)
-    return model
+    return torch.compile(model, mode=mode, dynamic=True)

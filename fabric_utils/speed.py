@@ -1,10 +1,10 @@
 """Speed helpers the loop calls: backend switches, worker counts, FLOP counting for MFU, compile warm-up."""
 
-import os
 import resource
 
 import numpy as np
 import torch
+from lightning.fabric.utilities.data import suggested_max_num_workers
 from lightning.fabric.utilities.throughput import ThroughputMonitor, measure_flops
 
 
@@ -17,11 +17,12 @@ def configure_backends(device: torch.device) -> None:
 
 def default_num_workers(fabric) -> int:
     """Tokenization is done ahead, so workers only collate. On a CPU device they would take cores from the
-    model's own threads, so none there; on GPUs up to 4 per process, within this node's CPUs."""
+    model's own threads, so none there; on GPUs up to 4 per process, within the CPUs this process may run on:
+    Lightning counts its affinity, which taskset, cgroups and SLURM's binding narrow (os.cpu_count() is the node's)."""
     if fabric.device.type == "cpu":
         return 0
     per_node = max(fabric.world_size // getattr(fabric.strategy, "num_nodes", 1), 1)
-    return max(0, min(4, (os.cpu_count() or 1) // per_node - 1))
+    return min(4, suggested_max_num_workers(per_node))
 
 
 def training_flops_fn(config, max_length: int):

@@ -106,21 +106,48 @@ def test_config_file_reruns_with_flag_overrides(tmp_path):
     assert (again.lr, again.scheduler, again.batch_size) == (0.01, "cosine", 4)
 
 
-def test_batch_size_finder_stops_at_the_first_out_of_memory(monkeypatch):
+class EmulatedMemoryModel(torch.nn.Module):
+    """Runs out of "memory" (budget in parameters' worth of floats) when its rows, at one parameter count each,
+    plus the optimizer's state exceed the budget, the way a GPU would raise."""
+
+    def __init__(self, budget_rows: int):
+        super().__init__()
+        self.embed = torch.nn.Embedding(10, 4)
+        self.budget = budget_rows * self.size()
+        self.optimizer = None
+
+    def size(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def forward(self, input_ids, labels):
+        state = self.optimizer.state.values() if self.optimizer else []
+        held = sum(t.numel() for moments in state for t in moments.values() if torch.is_tensor(t))
+        if len(input_ids) * self.size() + held > self.budget:
+            raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return type("Out", (), {"loss": self.embed(input_ids).sum()})
+
+
+def setup_emulated(budget_rows: int, optimizer_state: bool = False):
     fabric = build_fabric(parse_args(["--accelerator", "cpu", "--precision", "32-true"]))
     fabric.launch()
-    args = parse_args(["--max-length", "8"])
+    model = EmulatedMemoryModel(budget_rows)
+    wrapped, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1.0, weight_decay=0.1))
+    model.optimizer = optimizer if optimizer_state else None
+    return fabric, wrapped, optimizer
 
-    class Model(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.embed = torch.nn.Embedding(10, 4)
 
-        def forward(self, input_ids, labels):
-            if len(input_ids) > 16:
-                raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
-            return type("Out", (), {"loss": self.embed(input_ids).sum()})
+def test_batch_size_finder_stops_at_the_first_out_of_memory():
+    for limit, expected in ((batch_size_finder.MAX_BATCH, 16), (4, 4)):
+        fabric, model, optimizer = setup_emulated(budget_rows=16)
+        assert batch_size_finder.find_batch_size(fabric, model, optimizer, max_length=8, vocab_size=10,
+                                                 limit=limit) == expected
 
-    tokenizer = list(range(10))
-    assert batch_size_finder.find_batch_size(fabric, args, Model(), tokenizer) == 16
-    assert batch_size_finder.find_batch_size(fabric, args, Model(), tokenizer, limit=4) == 4
+
+def test_batch_size_finder_pays_for_the_optimizer_state_then_drops_it():
+    """Adam's two moments take two rows' worth here: 16 rows fit the budget alone, only 8 beside the state; after
+    the probe the weights, learning rate and (empty) state are as before."""
+    fabric, model, optimizer = setup_emulated(budget_rows=16, optimizer_state=True)
+    weights = [p.detach().clone() for p in model.parameters()]
+    assert batch_size_finder.find_batch_size(fabric, model, optimizer, max_length=8, vocab_size=10) == 8
+    assert all(torch.equal(before, after) for before, after in zip(weights, model.parameters()))
+    assert not optimizer.state and optimizer.param_groups[0]["lr"] == 1.0
