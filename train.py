@@ -21,6 +21,7 @@ from torchmetrics import MeanMetric, SumMetric
 import task
 from data.batching import make_collator, make_dataloaders
 from fabric_utils.args import build_parser, parse_flags
+from fabric_utils.batch_size import find_batch_size
 from fabric_utils.checkpoint import find_resume_checkpoint, load_checkpoint, save_checkpoint
 from fabric_utils.errors import UserError, exit_on_user_error
 from fabric_utils.export import export_model
@@ -30,7 +31,7 @@ from fabric_utils.optim import build_optimizer, build_scheduler, count_warmup_st
 from fabric_utils.preemption import Preemption
 from fabric_utils.progress import Progress
 from fabric_utils.run_folder import environment_report, prepare_out_dir, save_config
-from fabric_utils.speed import (Throughput, configure_backends, default_num_workers, peak_memory_mb, training_flops_fn,
+from fabric_utils.speed import (Throughput, compile_model, configure_backends, default_num_workers, peak_memory_mb, training_flops_fn,
                                 warm_up)
 
 
@@ -69,42 +70,31 @@ def main(fabric, args, out_dir: Path) -> dict:
     if fabric.is_global_zero and not args.quiet:
         fabric.print(json.dumps(env, indent=1))
 
-    with fabric.rank_zero_first(local=True):  # rank 0 of each node tokenizes first; the others read its cache
-        data = task.load_data(dataset=args.dataset, model=args.model, demo=args.demo, text_column=args.text_column,
-                              label_column=args.label_column, max_length=args.max_length, seed=args.seed,
-                              train_size=args.train_size, val_size=args.val_size, test_size=args.test_size,
-                              problem_type=args.problem_type, label_separator=args.label_separator,
-                              drop_invalid=args.drop_invalid)
-    for note in data.notes:
-        fabric.print(note)
-    args.problem_type = data.problem_type  # config.yaml records what auto chose
+    data = load_data(fabric, args)
+    objective = task.Objective(data.problem_type, num_labels=len(data.label_names))
     model = task.build_model(data.model_source, data.label_names, data.problem_type,
                              attention_dropout=args.attention_dropout, hidden_dropout=args.hidden_dropout,
                              grad_checkpointing=args.grad_checkpointing)
     save_config(fabric, args, out_dir)  # only now: bad data or model must leave the folder untouched
     save_tracker_ids(fabric, out_dir)  # starts the tracked runs (MLflow, W&B) and keeps their ids for a resume
-    loaders = make_dataloaders(
-        data.splits, make_collator(data.tokenizer, args.pad_to_max_length, args.max_length, args.pad_to_multiple_of),
-        batch_size=args.batch_size, eval_batch_size=args.eval_batch_size or 2 * args.batch_size,
-        world_size=fabric.world_size, rank=fabric.global_rank, seed=args.seed, group_by_length=args.group_by_length,
-        num_workers=default_num_workers(fabric) if args.num_workers is None else args.num_workers,
-        pin_memory=fabric.device.type == "cuda")
-    max_steps = args.max_steps or args.epochs * math.ceil(len(loaders["train"]) / args.grad_accum)
 
-    objective = task.Objective(data.problem_type, num_labels=len(data.label_names))
+    def dummy_batch(rows: int, length: int = args.max_length, device=fabric.device) -> dict:
+        return objective.dummy_batch(rows, length, vocab_size=len(data.tokenizer), device=device)
     flops_of = training_flops_fn(  # FLOPs of forward and backward, for MFU
-        model, lambda m, n: objective.step_loss(m, objective.dummy_batch(1, n, len(data.tokenizer), device="meta")),
-        max_length=args.max_length)
-    if args.compile:  # one dynamic-shape graph for every padded length, instead of a recompile per length
-        model = torch.compile(model, mode=args.compile_mode, dynamic=True)
-    optimizer = build_optimizer(model, name=args.optimizer, lr=args.lr, weight_decay=args.weight_decay,
-                                device=fabric.device)
+        model, lambda m, n: objective.step_loss(m, dummy_batch(1, n, device="meta")), max_length=args.max_length)
+    if args.compile:
+        model = compile_model(model, mode=args.compile_mode)
+    torch_optimizer = build_optimizer(model, name=args.optimizer, lr=args.lr, weight_decay=args.weight_decay,
+                                      device=fabric.device)
+    model, optimizer = fabric.setup(model, torch_optimizer)                                   # Fabric step 3
+    if args.batch_size == "auto":  # probed on the model and optimizer as set up: wrapped, sharded, with state
+        args.batch_size = find_batch_size(fabric, model, optimizer, make_batch=dummy_batch,
+                                          loss_fn=objective.step_loss)
+    loaders = make_loaders(fabric, args, data)
+    max_steps = args.max_steps or args.epochs * math.ceil(len(loaders["train"]) / args.grad_accum)
     # on the plain optimizer: DeepSpeed's wrapper is no torch Optimizer, but steps the same parameter groups
-    scheduler = build_scheduler(optimizer, args.scheduler, lr=args.lr, max_steps=max_steps,
+    scheduler = build_scheduler(torch_optimizer, args.scheduler, lr=args.lr, max_steps=max_steps,
                                 warmup_steps=count_warmup_steps(args.warmup, max_steps))
-    model, optimizer = fabric.setup(model, optimizer)                                         # Fabric step 3
-    # the samplers already shard rows across ranks, so Fabric only moves batches to the device
-    loaders = dict(zip(loaders, fabric.setup_dataloaders(*loaders.values(), use_distributed_sampler=False)))
 
     meta = {"model": data.model_source, "labels": data.label_names, "problem_type": data.problem_type}
     state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "step": 0, "epoch": 0,
@@ -119,6 +109,30 @@ def main(fabric, args, out_dir: Path) -> dict:
         fabric.print(f"preempted: saved a checkpoint at step {state['step']}; rerun with --resume auto")
         preemption.exit(fabric)  # status EXIT_PREEMPTED (75)
     return finish(fabric, args, state, loaders, out_dir, data, objective, env)
+
+
+def load_data(fabric, args) -> task.TaskData:
+    with fabric.rank_zero_first(local=True):  # rank 0 of each node tokenizes first; the others read its cache
+        data = task.load_data(dataset=args.dataset, model=args.model, demo=args.demo, text_column=args.text_column,
+                              label_column=args.label_column, max_length=args.max_length, seed=args.seed,
+                              train_size=args.train_size, val_size=args.val_size, test_size=args.test_size,
+                              problem_type=args.problem_type, label_separator=args.label_separator,
+                              drop_invalid=args.drop_invalid)
+    for note in data.notes:
+        fabric.print(note)
+    args.problem_type = data.problem_type  # config.yaml records what auto chose
+    return data
+
+
+def make_loaders(fabric, args, data: task.TaskData) -> dict:
+    loaders = make_dataloaders(
+        data.splits, make_collator(data.tokenizer, args.pad_to_max_length, args.max_length, args.pad_to_multiple_of),
+        batch_size=args.batch_size, eval_batch_size=args.eval_batch_size or 2 * args.batch_size,
+        world_size=fabric.world_size, rank=fabric.global_rank, seed=args.seed, group_by_length=args.group_by_length,
+        num_workers=default_num_workers(fabric) if args.num_workers is None else args.num_workers,
+        pin_memory=fabric.device.type == "cuda")
+    # the samplers already shard rows across ranks, so Fabric only moves batches to the device
+    return dict(zip(loaders, fabric.setup_dataloaders(*loaders.values(), use_distributed_sampler=False)))
 
 
 def micro_batches(loader, grad_accum: int, start: int):

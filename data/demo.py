@@ -1,7 +1,11 @@
 """An offline stand-in for the real job: a synthetic sentiment dataset, a word-level tokenizer and a tiny random
 BERT, written to disk so ``--demo`` goes through exactly the code path of ``--dataset PATH --model PATH``."""
 
+import errno
+import os
 import random
+import shutil
+import tempfile
 from pathlib import Path
 
 import pandas as pd
@@ -63,7 +67,23 @@ def prepare_demo(root: Path) -> tuple[Path, Path]:
     """Writes the demo data and model under ``root`` once; returns (dataset folder, model folder)."""
     data, model = root / "data", root / "model"
     if not (data / "test.parquet").exists():
-        write_demo_dataset(data)
+        write_whole(data, write_demo_dataset)
     if not (model / "config.json").exists():
-        write_demo_model(model)
+        write_whole(model, write_demo_model)
     return data, model
+
+
+def write_whole(folder: Path, write) -> None:
+    """Runs ``write(tmp)`` on a fresh folder beside ``folder`` and renames it into place, so nobody finds ``folder``
+    half-written: not a process that crashed midway, nor another node writing the same demo on a shared filesystem
+    (rank 0 of every node prepares it). The rename is atomic; where a racer's folder landed first, ours is dropped."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
+    try:
+        write(tmp)
+        os.replace(tmp, folder)
+    except OSError as err:
+        if err.errno not in (errno.ENOTEMPTY, errno.EEXIST):  # another process's complete folder is there already
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

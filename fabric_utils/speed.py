@@ -2,13 +2,13 @@
 
 import copy
 import itertools
-import os
 import resource
 import time
 from collections.abc import Callable
 
 import numpy as np
 import torch
+from lightning.fabric.utilities.data import suggested_max_num_workers
 from lightning.fabric.utilities.throughput import ThroughputMonitor, measure_flops
 
 
@@ -21,11 +21,12 @@ def configure_backends(device: torch.device) -> None:
 
 def default_num_workers(fabric) -> int:
     """Tokenization is done ahead, so workers only collate. On a CPU device they would take cores from the
-    model's own threads, so none there; on GPUs up to 4 per process, within this node's CPUs."""
+    model's own threads, so none there; on GPUs up to 4 per process, within the CPUs this process may run on:
+    Lightning counts its affinity, which taskset, cgroups and SLURM's binding narrow (os.cpu_count() is the node's)."""
     if fabric.device.type == "cpu":
         return 0
     per_node = max(fabric.world_size // getattr(fabric.strategy, "num_nodes", 1), 1)
-    return max(0, min(4, (os.cpu_count() or 1) // per_node - 1))
+    return min(4, suggested_max_num_workers(per_node))
 
 
 def training_flops_fn(model: torch.nn.Module, step_loss: Callable[[torch.nn.Module, int], torch.Tensor],
@@ -99,6 +100,14 @@ class Throughput:
         return {"train_time_s": seconds, "train_samples_per_s": totals[0] / seconds,
                 "train_tokens_per_s": totals[1] / seconds,
                 "mfu": totals[2] / seconds / (peak * self.fabric.world_size) if peak else None}
+
+
+def compile_model(model: torch.nn.Module, mode: str) -> torch.nn.Module:
+    """An ``OptimizedModule``, as Fabric expects: ``fabric.setup`` unwraps it, wraps the model with the strategy
+    (DDP, FSDP, DeepSpeed) and compiles the wrapper with the same arguments, so every graph is traced under the
+    wrapper (for DDP, dynamo then splits it at gradient-bucket boundaries, letting the all-reduce overlap backward).
+    ``dynamic``: lengths vary per batch, so one dynamic-shape graph instead of a recompile per padded length."""
+    return torch.compile(model, mode=mode, dynamic=True)
 
 
 def warm_up(fabric, model, batch: dict, loss_fn: Callable[[torch.nn.Module, dict], torch.Tensor]) -> None:

@@ -10,7 +10,7 @@ import torch
 import yaml
 
 from conftest import REPO, SMALL_DEMO, build_fabric_from_flags, fabric_cli, run, subprocess_env, train
-from fabric_utils import batch_size as batch_size_finder
+from fabric_utils.batch_size import MAX_BATCH, find_batch_size
 from train import parse_args
 
 SMALL_SIZES = {"train_examples": 400, "val_examples": 101, "test_examples": 201}
@@ -105,21 +105,52 @@ def test_config_file_reruns_with_flag_overrides(tmp_path):
     assert (again.lr, again.scheduler, again.batch_size) == (0.01, "cosine", 4)
 
 
-def test_batch_size_finder_stops_at_the_first_out_of_memory(monkeypatch):
+class EmulatedMemoryModel(torch.nn.Module):
+    """Runs out of "memory" (budget in parameters' worth of floats) when its rows, at one parameter count each,
+    plus the optimizer's state exceed the budget, the way a GPU would raise."""
+
+    def __init__(self, budget_rows: int):
+        super().__init__()
+        self.embed = torch.nn.Embedding(10, 4)
+        self.budget = budget_rows * self.size()
+        self.optimizer = None
+
+    def size(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def forward(self, input_ids, labels):
+        state = self.optimizer.state.values() if self.optimizer else []
+        held = sum(t.numel() for moments in state for t in moments.values() if torch.is_tensor(t))
+        if len(input_ids) * self.size() + held > self.budget:
+            raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return self.embed(input_ids).sum()
+
+
+# rows of 8 tokens, and the loss: the model's own output
+PROBE = {"make_batch": lambda rows: {"input_ids": torch.randint(0, 10, (rows, 8)), "labels": torch.zeros(rows)},
+         "loss_fn": lambda model, batch: model(**batch)}
+
+
+def setup_emulated(budget_rows: int, optimizer_state: bool = False):
     fabric = build_fabric_from_flags("--accelerator", "cpu", "--precision", "32-true")
     fabric.launch()
-    args = parse_args(["--max-length", "8"])
+    model = EmulatedMemoryModel(budget_rows)
+    wrapped, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1.0, weight_decay=0.1))
+    model.optimizer = optimizer if optimizer_state else None
+    return fabric, wrapped, optimizer
 
-    class Model(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.embed = torch.nn.Embedding(10, 4)
 
-        def forward(self, input_ids, labels):
-            if len(input_ids) > 16:
-                raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
-            return type("Out", (), {"loss": self.embed(input_ids).sum()})
+def test_batch_size_finder_stops_at_the_first_out_of_memory():
+    for limit, expected in ((MAX_BATCH, 16), (4, 4)):
+        fabric, model, optimizer = setup_emulated(budget_rows=16)
+        assert find_batch_size(fabric, model, optimizer, limit=limit, **PROBE) == expected
 
-    tokenizer = list(range(10))
-    assert batch_size_finder.find_batch_size(fabric, args, Model(), tokenizer) == 16
-    assert batch_size_finder.find_batch_size(fabric, args, Model(), tokenizer, limit=4) == 4
+
+def test_batch_size_finder_pays_for_the_optimizer_state_then_drops_it():
+    """Adam's two moments take two rows' worth here: 16 rows fit the budget alone, only 8 beside the state; after
+    the probe the weights, learning rate and (empty) state are as before."""
+    fabric, model, optimizer = setup_emulated(budget_rows=16, optimizer_state=True)
+    weights = [p.detach().clone() for p in model.parameters()]
+    assert find_batch_size(fabric, model, optimizer, **PROBE) == 8
+    assert all(torch.equal(before, after) for before, after in zip(weights, model.parameters()))
+    assert not optimizer.state and optimizer.param_groups[0]["lr"] == 1.0

@@ -1,0 +1,104 @@
+"""Operations: torch.compile under a strategy, the batch-size finder, cluster scripts, worker counts, shared caches."""
+
+import os
+import re
+import subprocess
+from pathlib import Path
+from types import SimpleNamespace
+
+import pandas as pd
+import pytest
+import torch
+from torch._dynamo.eval_frame import OptimizedModule
+from torch.nn.parallel import DistributedDataParallel
+from transformers import PreTrainedTokenizerFast
+
+from conftest import REPO, build_fabric_from_flags
+from data.demo import LABELS, prepare_demo
+from fabric_utils.speed import compile_model, default_num_workers
+from task import build_model, load_tokenizer
+
+DEMO_ROOT = Path.home() / ".cache" / "fabric-template" / "demo"  # where train.py --demo writes it
+
+
+def test_compile_is_applied_around_the_ddp_wrapper(monkeypatch):
+    """--compile hands Fabric a compiled module; fabric.setup wraps the original in DDP and compiles the wrapper."""
+    for name in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)  # a one-process DDP launch sets them here: undone after the test
+    _, model_dir = prepare_demo(DEMO_ROOT)
+    fabric = build_fabric_from_flags("--accelerator", "cpu", "--devices", "1", "--strategy", "ddp")
+    fabric.launch()
+    try:
+        module = fabric.setup(compile_model(build_model(str(model_dir), LABELS, "single_label", attention_dropout=0.0,
+                                                        hidden_dropout=None), mode="default"))
+    finally:
+        torch.distributed.destroy_process_group()
+    compiled = module._forward_module
+    assert isinstance(compiled, OptimizedModule), type(compiled)
+    assert isinstance(compiled._orig_mod, DistributedDataParallel)
+    assert compiled._orig_mod.module is module.module  # DDP holds the original model ...
+    assert "forward" not in vars(module.module)  # ... not one whose forward was compiled inside the wrapper
+    assert compiled._compile_kwargs == {"mode": "default", "dynamic": True}
+    assert module.module.config.num_labels == len(LABELS)  # what train.py reads for FLOPs and the export
+
+
+def test_loader_workers_count_the_cpus_this_process_may_use(monkeypatch):
+    """Bound to 6 of a node's 64 CPUs (taskset, a cgroup, SLURM), 2 GPU processes get 2 workers each, not 4."""
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(6)), raising=False)
+    fabric = SimpleNamespace(device=torch.device("cuda", 0), world_size=2, strategy=SimpleNamespace(num_nodes=1))
+    assert default_num_workers(fabric) == 6 // 2 - 1
+
+
+def test_an_interrupted_demo_write_leaves_no_folder_that_looks_done(tmp_path, monkeypatch):
+    """Stopped after the model's config and weights, before its tokenizer (a crash, or what a second node on a shared
+    filesystem would see midway): the next prepare_demo must write the model again, not trust the half."""
+    def crash(*args, **kwargs):
+        raise RuntimeError("stopped midway")
+
+    monkeypatch.setattr(PreTrainedTokenizerFast, "save_pretrained", crash)
+    with pytest.raises(RuntimeError, match="stopped midway"):
+        prepare_demo(tmp_path)
+    monkeypatch.undo()
+    data_dir, model_dir = prepare_demo(tmp_path)
+    tokenizer = load_tokenizer(str(model_dir))  # transformers would build an empty one from a folder without its files
+    assert tokenizer.convert_tokens_to_ids("good") != tokenizer.unk_token_id
+    assert len(pd.read_parquet(data_dir / "test.parquet")) > 0
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["data", "model"]  # no temporary folder left behind
+
+
+def test_slurm_log_folders_exist_in_a_fresh_clone():
+    """SLURM does not create the folder of --output/--error; sbatch runs from the repository root, so the folder
+    must be the root or one git tracks (a fresh clone has only tracked files)."""
+    script = REPO / "scripts" / "slurm.sbatch"
+    paths = re.findall(r"^#SBATCH\s+--(?:output|error)[= ](\S+)", script.read_text(), flags=re.MULTILINE)
+    assert paths, "the script names its log"
+    for path in paths:
+        folder = os.path.dirname(path) or "."
+        tracked = subprocess.run(["git", "ls-files", "--", folder], cwd=REPO, capture_output=True, text=True,
+                                 check=True).stdout
+        assert tracked, f"{path}: {folder}/ is not in a fresh clone"
+
+
+@pytest.mark.parametrize(("torch_build", "gpu", "expected"), [
+    (None, True, "cuda"), (None, False, "cpu"), ("cuda", False, "cuda"), ("cpu", True, "cpu")])
+def test_setup_picks_the_torch_build(tmp_path, torch_build, gpu, expected):
+    """Where nvidia-smi lists a GPU, PyPI's CUDA build; else the CPU index; TORCH_BUILD overrides both (a login
+    node without GPUs building for GPU nodes). A fake nvidia-smi stands in for the hardware; DRY_RUN installs nothing."""
+    (tmp_path / "nvidia-smi").write_text(f"#!/bin/sh\nexit {0 if gpu else 9}\n")  # 9: driver present, no GPU
+    (tmp_path / "nvidia-smi").chmod(0o755)
+    env = {**os.environ, "PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}", "DRY_RUN": "1"}
+    env.pop("TORCH_BUILD", None)
+    if torch_build:
+        env["TORCH_BUILD"] = torch_build
+    commands = subprocess.run(["bash", "scripts/setup.sh", "requirements-bench.txt"], cwd=REPO, env=env,
+                              capture_output=True, text=True, check=True).stdout.splitlines()
+    torch_install = next(line for line in commands if " torch==" in line)
+    assert ("download.pytorch.org/whl/cpu" in torch_install) == (expected == "cpu")
+    assert commands[-2].endswith("-r requirements-bench.txt")  # the extras still follow
+
+
+def test_setup_refuses_an_unknown_torch_build():
+    env = {**os.environ, "TORCH_BUILD": "rocm", "DRY_RUN": "1"}
+    result = subprocess.run(["bash", "scripts/setup.sh"], cwd=REPO, env=env, capture_output=True, text=True)
+    assert result.returncode != 0 and "TORCH_BUILD must be cuda, cpu or auto" in result.stderr
