@@ -33,6 +33,7 @@ from fabric_utils.observe import (Progress, environment_report, make_loggers, pl
                                   quiet_libraries, save_config)
 from fabric_utils.optim import build_optimizer, build_scheduler, count_warmup_steps
 from fabric_utils.preemption import Preemption
+from fabric_utils.sharding import setup_training
 from fabric_utils.speed import (configure_backends, default_num_workers, make_throughput_monitor, mfu, peak_memory_mb,
                                 training_flops_fn, warm_up)
 
@@ -79,11 +80,10 @@ def main(argv=None):
     steps_per_epoch = math.ceil(len(train_loader) / args.grad_accum)
     max_steps = args.max_steps or args.epochs * steps_per_epoch
 
-    optimizer = build_optimizer(model, args, fabric.device)
-    # on the plain optimizer: DeepSpeed's wrapper is no torch Optimizer, but steps the same parameter groups
-    scheduler = build_scheduler(optimizer, args.scheduler, args.lr, max_steps,
-                                count_warmup_steps(args.warmup, max_steps))
-    model, optimizer = fabric.setup(model, optimizer)                               # Fabric step 3: wrap
+    model, optimizer, scheduler = setup_training(                                   # Fabric step 3: wrap
+        fabric, model, make_optimizer=lambda model: build_optimizer(model, args, fabric.device),
+        make_scheduler=lambda optimizer: build_scheduler(optimizer, args.scheduler, args.lr, max_steps,
+                                                         count_warmup_steps(args.warmup, max_steps)))
     # the samplers already shard rows across ranks, so Fabric only moves batches to the device
     train_loader, val_loader, test_loader = fabric.setup_dataloaders(
         train_loader, val_loader, test_loader, use_distributed_sampler=False)

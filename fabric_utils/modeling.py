@@ -5,6 +5,7 @@ from pathlib import Path
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
 from fabric_utils.errors import UserError
+from fabric_utils.launcher import strategy_checkpoints_blocks
 
 
 def _check_source(source: str) -> None:
@@ -42,7 +43,7 @@ def load_model(args, label_names: list[str]):
     model = AutoModelForSequenceClassification.from_pretrained(
         args.model, num_labels=len(label_names), id2label=dict(enumerate(label_names)),
         label2id={name: i for i, name in enumerate(label_names)}, trust_remote_code=False, **overrides)
-    if args.grad_checkpointing:
+    if args.grad_checkpointing and not strategy_checkpoints_blocks(args):  # FSDP wraps the blocks itself
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if args.compile:
         model = _compile(model, args.compile_mode)
