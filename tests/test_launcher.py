@@ -90,16 +90,20 @@ def test_fsdp_on_gpu_shards_each_block():
     assert sum(isinstance(m, CheckpointWrapper) for m in model.modules()) == 3
 
 
+def demo_model() -> str:
+    return str(prepare_demo(Path.home() / ".cache" / "fabric-template" / "demo")[1])
+
+
 def demo_bert():
-    return load_model(parse_args(["--model", str(prepare_demo(Path.home() / ".cache" / "fabric-template" / "demo")[1])]),
-                      LABELS)
+    return load_model(parse_args(["--model", demo_model()]), LABELS)
 
 
 def wrapped_by(policy, model) -> list[str]:
     """The modules ``policy`` picks, as FSDP picks them: torch's recursive wrap over the model (Fabric refuses FSDP
     itself on a CPU)."""
     apply_activation_checkpointing(model, checkpoint_wrapper_fn=checkpoint_wrapper, auto_wrap_policy=policy)
-    return sorted(type(m._checkpoint_wrapped_module).__name__ for m in model.modules() if isinstance(m, CheckpointWrapper))
+    return sorted(type(m._checkpoint_wrapped_module).__name__
+                  for m in model.modules() if isinstance(m, CheckpointWrapper))
 
 
 @pytest.mark.parametrize("name", ["fsdp", "fsdp_cpu_offload"])
@@ -127,8 +131,7 @@ def test_block_classes_without_no_split_modules_are_those_of_the_layer_list():
 @pytest.mark.parametrize("strategy, by_model", [("ddp", True), ("fsdp", False), ("fsdp2", False)])
 def test_grad_checkpointing_is_left_to_fsdp(strategy, by_model):
     """Hugging Face's checkpointing conflicts with FSDP, which checkpoints the blocks it shards itself."""
-    args = parse_args(["--model", str(prepare_demo(Path.home() / ".cache" / "fabric-template" / "demo")[1]),
-                       "--strategy", strategy, "--grad-checkpointing"])
+    args = parse_args(["--model", demo_model(), "--strategy", strategy, "--grad-checkpointing"])
     assert load_model(args, LABELS).is_gradient_checkpointing == by_model
 
 
