@@ -25,11 +25,13 @@ from fabric_utils.batch_size import find_batch_size
 from fabric_utils.checkpoint import find_resume_checkpoint, load_checkpoint, save_checkpoint
 from fabric_utils.errors import UserError, exit_on_user_error
 from fabric_utils.export import export_model
-from fabric_utils.launcher import build_fabric, clips_in_loop, launch, warn_if_updates_vanish
+from fabric_utils.launcher import (build_fabric, clips_in_loop, launch, strategy_checkpoints_blocks,
+                                   warn_if_updates_vanish)
 from fabric_utils.loggers import finalize_loggers, make_loggers, plot_metrics, save_tracker_ids, saved_tracker_ids
 from fabric_utils.optim import build_optimizer, build_scheduler, count_warmup_steps
 from fabric_utils.preemption import Preemption
 from fabric_utils.progress import Progress
+from fabric_utils.sharding import setup_model_and_optimizer
 from fabric_utils.run_folder import environment_report, prepare_out_dir, save_config
 from fabric_utils.speed import (Throughput, compile_model, configure_backends, default_num_workers, peak_memory_mb, training_flops_fn,
                                 warm_up)
@@ -54,7 +56,8 @@ def setup(argv=None) -> dict:
                            resume_ids=saved_tracker_ids(out_dir) if args.resume else None)
     fabric = build_fabric(accelerator=args.accelerator, devices=args.devices, num_nodes=args.num_nodes,
                           strategy=args.strategy, precision=args.precision, grad_clip=args.grad_clip,
-                          grad_accum=args.grad_accum, loggers=loggers)                   # Fabric step 1
+                          grad_accum=args.grad_accum, grad_checkpointing=args.grad_checkpointing,
+                          loggers=loggers)                                                   # Fabric step 1
     warn_if_updates_vanish(fabric.strategy.precision, lr=args.lr)
     launch(fabric)                                                                           # Fabric step 2
     out_dir = Path(fabric.broadcast(str(out_dir)))  # ranks started apart in time agree on rank 0's folder
@@ -74,7 +77,8 @@ def main(fabric, args, out_dir: Path) -> dict:
     objective = task.Objective(data.problem_type, num_labels=len(data.label_names))
     model = task.build_model(data.model_source, data.label_names, data.problem_type,
                              attention_dropout=args.attention_dropout, hidden_dropout=args.hidden_dropout,
-                             grad_checkpointing=args.grad_checkpointing)
+                             # FSDP and FSDP2 checkpoint the blocks they shard themselves
+                             grad_checkpointing=args.grad_checkpointing and not strategy_checkpoints_blocks(fabric.strategy))
     save_config(fabric, args, out_dir)  # only now: bad data or model must leave the folder untouched
     save_tracker_ids(fabric, out_dir)  # starts the tracked runs (MLflow, W&B) and keeps their ids for a resume
 
@@ -84,15 +88,14 @@ def main(fabric, args, out_dir: Path) -> dict:
         model, lambda m, n: objective.step_loss(m, dummy_batch(1, n, device="meta")), max_length=args.max_length)
     if args.compile:
         model = compile_model(model, mode=args.compile_mode)
-    torch_optimizer = build_optimizer(model, name=args.optimizer, lr=args.lr, weight_decay=args.weight_decay,
-                                      device=fabric.device)
-    model, optimizer = fabric.setup(model, torch_optimizer)                                   # Fabric step 3
+    model, optimizer, torch_optimizer = setup_model_and_optimizer(                              # Fabric step 3
+        fabric, model, lambda module: build_optimizer(module, name=args.optimizer, lr=args.lr,
+                                                      weight_decay=args.weight_decay, device=fabric.device))
     if args.batch_size == "auto":  # probed on the model and optimizer as set up: wrapped, sharded, with state
         args.batch_size = find_batch_size(fabric, model, optimizer, make_batch=dummy_batch,
                                           loss_fn=objective.step_loss)
     loaders = make_loaders(fabric, args, data)
     max_steps = args.max_steps or args.epochs * math.ceil(len(loaders["train"]) / args.grad_accum)
-    # on the plain optimizer: DeepSpeed's wrapper is no torch Optimizer, but steps the same parameter groups
     scheduler = build_scheduler(torch_optimizer, args.scheduler, lr=args.lr, max_steps=max_steps,
                                 warmup_steps=count_warmup_steps(args.warmup, max_steps))
 

@@ -122,12 +122,19 @@ def load_checkpoint(fabric, path: Path, state: dict, expected_meta: dict | None 
                             ) from err
         if expected_meta is not None:  # another model or label set would fail below with a cryptic shape error
             _check_meta(path, found, expected_meta)
+    live = {key: obj for key, obj in state.items() if hasattr(obj, "load_state_dict")}
     try:
         remainder = fabric.load(path / "state", state, weights_only=True)
     except Exception as err:  # torch, safetensors and DeepSpeed each raise their own kinds for a bad file
         message = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise UserError(f"cannot restore checkpoint {path}: {message[:300]} (is it from another model or "
                         f"label set, or damaged? start a new --out-dir or pass another --resume)") from err
+    for key, obj in live.items():
+        # sharded FSDP and FSDP2 checkpoints hand back a stateful object that is neither model nor optimizer (the
+        # scheduler) as its saved state_dict in place of the object: load it into the object, as the others do
+        if state[key] is not obj:
+            obj.load_state_dict(state[key])
+            state[key] = obj
     if expected_meta is not None:
         _check_meta(path, remainder.get("meta", state.get("meta")), expected_meta)
     rng_file = path / f"rng-rank{fabric.global_rank}.pt"

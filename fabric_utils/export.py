@@ -14,7 +14,7 @@ def full_state_dict(state_path: Path) -> dict:
     if (state_path / "latest").exists() or any(state_path.glob("*/mp_rank_*")):  # DeepSpeed ZeRO shards
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
         return get_fp32_state_dict_from_zero_checkpoint(str(state_path), tag="checkpoint")
-    from lightning.fabric.utilities.load import _load_distributed_checkpoint  # FSDP's sharded checkpoint
+    from lightning.fabric.utilities.load import _load_distributed_checkpoint  # FSDP's and FSDP2's shards
     return _load_distributed_checkpoint(state_path)["model"]
 
 

@@ -10,6 +10,7 @@ import argparse
 import os
 import typing
 import warnings
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -17,15 +18,17 @@ from lightning.fabric import Fabric
 from lightning.fabric.accelerators import ACCELERATOR_REGISTRY
 from lightning.fabric.plugins.precision import DeepSpeedPrecision, Precision
 from lightning.fabric.plugins.precision.precision import _PRECISION_INPUT_STR, _PRECISION_INPUT_STR_ALIAS
-from lightning.fabric.strategies import STRATEGY_REGISTRY, DeepSpeedStrategy
+from lightning.fabric.strategies import STRATEGY_REGISTRY, DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
 from fabric_utils.errors import UserError
+from fabric_utils.sharding import BlockPolicy, shard_blocks
 
 LAUNCH_SETTINGS = ("accelerator", "devices", "num_nodes", "strategy", "precision")
 FABRIC_DEFAULTS = {"accelerator": "auto", "devices": "auto", "num_nodes": 1, "strategy": "auto"}
 PRECISIONS = ("auto", *typing.get_args(_PRECISION_INPUT_STR), *typing.get_args(_PRECISION_INPUT_STR_ALIAS))
+FSDP2 = "fsdp2"  # PyTorch's current FSDP (fully_shard), through Fabric's ModelParallelStrategy; not in its registry
 
 
 def add_launch_args(parser: argparse.ArgumentParser) -> None:
@@ -34,8 +37,8 @@ def add_launch_args(parser: argparse.ArgumentParser) -> None:
                        help="hardware to run on (default: auto)")
     group.add_argument("--devices", help="devices per node: a count (4), a list (0,1), -1 or auto (default)")
     group.add_argument("--num-nodes", type=int, help="number of machines (default: 1)")
-    group.add_argument("--strategy", choices=("auto", *STRATEGY_REGISTRY.available_strategies()),
-                       help="how to spread the work: ddp, fsdp, deepspeed_stage_2, ... (default: auto)")
+    group.add_argument("--strategy", choices=("auto", *STRATEGY_REGISTRY.available_strategies(), FSDP2),
+                       help="how to spread the work: ddp, fsdp, fsdp2, deepspeed_stage_2, ... (default: auto)")
     group.add_argument("--precision", choices=PRECISIONS,
                        help="numeric precision (default: auto = bf16-mixed where the hardware supports it, "
                             "16-mixed on older GPUs, else 32-true)")
@@ -101,20 +104,59 @@ def cpu_has_native_bf16() -> bool:
 
 
 def build_fabric(accelerator=None, devices=None, num_nodes=None, strategy=None, precision=None, grad_clip=0.0,
-                 grad_accum=1, **fabric_kwargs) -> Fabric:
+                 grad_accum=1, grad_checkpointing=False, **fabric_kwargs) -> Fabric:
     """Builds the Fabric from the launch flags (None: not given); a setting Fabric rejects (16-mixed on CPU,
     3 devices on a 1-GPU machine) becomes a one-line ``UserError``. ``grad_clip`` and ``grad_accum`` go into
-    DeepSpeed's config, which owns both under that strategy."""
+    DeepSpeed's config, which owns both under that strategy; FSDP and FSDP2 do ``grad_checkpointing`` themselves."""
     settings = resolve_launch_settings(dict(accelerator=accelerator, devices=devices, num_nodes=num_nodes,
                                             strategy=strategy, precision=precision))
     try:
-        fabric = Fabric(**settings, **fabric_kwargs)
+        strategy = build_strategy(settings, grad_checkpointing)
+        if not isinstance(strategy, str):  # Fabric would take `fabric run`'s LT_STRATEGY (in settings) over it
+            os.environ.pop("LT_STRATEGY", None)
+        fabric = Fabric(**{**settings, "strategy": strategy}, **fabric_kwargs)
     except (ValueError, RuntimeError, TypeError, MisconfigurationException) as err:
         raise UserError(f"cannot launch with {settings}: {str(err).splitlines()[0]}") from err
     check_precision_supported(settings["precision"], fabric.strategy.precision.precision, fabric.device)
     if isinstance(fabric.strategy, DeepSpeedStrategy):
         configure_deepspeed(fabric.strategy.config, grad_clip, grad_accum)
     return fabric
+
+
+def build_strategy(settings: dict, grad_checkpointing: bool):
+    """The strategy name, or for FSDP a strategy that shards each transformer block as its own unit (Fabric's
+    default shards the whole model as one) and, with --grad-checkpointing, recomputes the blocks itself (Hugging
+    Face's own checkpointing conflicts with FSDP). ``fsdp2`` puts every process in one sharding group."""
+    name = settings["strategy"]
+    if name == FSDP2:
+        return ModelParallelStrategy(partial(shard_blocks, grad_checkpointing=grad_checkpointing),
+                                     data_parallel_size=count_processes(settings), tensor_parallel_size=1)
+    if is_fsdp(name):
+        blocks = BlockPolicy()
+        return FSDPStrategy(**STRATEGY_REGISTRY[name]["init_params"], auto_wrap_policy=blocks,
+                            activation_checkpointing_policy=blocks if grad_checkpointing else None)
+    return name
+
+
+def is_fsdp(name: str) -> bool:
+    """fsdp, fsdp_cpu_offload: Fabric's registered names for the classic FSDP strategy."""
+    return name in STRATEGY_REGISTRY and STRATEGY_REGISTRY[name]["strategy"] is FSDPStrategy
+
+
+def strategy_checkpoints_blocks(strategy) -> bool:
+    """Whether --grad-checkpointing is the strategy's job (FSDP, FSDP2) rather than the model's."""
+    return isinstance(strategy, (FSDPStrategy, ModelParallelStrategy))
+
+
+def count_processes(settings: dict) -> int:
+    """The world size Fabric makes of these settings, counted as its connector does; ModelParallelStrategy needs
+    it before Fabric is built."""
+    accelerator = settings["accelerator"]
+    if accelerator in ("auto", "gpu"):
+        accelerator = "cuda" if torch.cuda.is_available() else "cpu"
+    devices_of = type(ACCELERATOR_REGISTRY.get(accelerator))
+    devices = devices_of.auto_device_count() if settings["devices"] == "auto" else settings["devices"]
+    return settings["num_nodes"] * len(devices_of.get_parallel_devices(devices_of.parse_devices(devices)))
 
 
 def check_precision_supported(precision: str, built: str, device: torch.device) -> None:

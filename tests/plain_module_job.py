@@ -18,10 +18,11 @@ from torchmetrics.regression import MeanSquaredError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fabric_utils.checkpoint import find_resume_checkpoint, load_checkpoint, save_checkpoint  # noqa: E402
-from fabric_utils.launcher import build_fabric, launch, setup_model_and_optimizer  # noqa: E402
+from fabric_utils.launcher import build_fabric, launch  # noqa: E402
 from fabric_utils.loggers import make_loggers  # noqa: E402
 from fabric_utils.optim import build_optimizer, build_scheduler  # noqa: E402
 from fabric_utils.progress import Progress  # noqa: E402
+from fabric_utils.sharding import setup_model_and_optimizer  # noqa: E402
 from fabric_utils.speed import Throughput, training_flops_fn  # noqa: E402
 
 
@@ -61,7 +62,7 @@ def main():
     model = Regressor()
     flops_of = training_flops_fn(model, lambda m, n: huber(m(torch.zeros(n, 8, device="meta")),
                                                            torch.zeros(n, device="meta")), max_length=4)
-    model, optimizer = setup_model_and_optimizer(
+    model, optimizer, _ = setup_model_and_optimizer(
         fabric, model, lambda m: build_optimizer(m, name="adamw", lr=3e-2, weight_decay=0.01, device=fabric.device))
     scheduler = build_scheduler(optimizer, "linear", lr=3e-2, max_steps=args.steps, warmup_steps=2)
     state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "step": 0, "meta": {"job": "plain"}}

@@ -1,15 +1,27 @@
 """The launcher builds the right Fabric pieces from flags, alone and under `fabric run`."""
 
+from pathlib import Path
+
 import lightning.fabric.fabric
 import pytest
 import torch
 from lightning.fabric.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
-from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy, DeepSpeedStrategy, FSDPStrategy
+from lightning.fabric.strategies import (STRATEGY_REGISTRY, DDPStrategy, DeepSpeedStrategy, FSDPStrategy,
+                                         ModelParallelStrategy)
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (CheckpointWrapper,
+                                                                         apply_activation_checkpointing,
+                                                                         checkpoint_wrapper)
 
 from conftest import SMALL_DEMO, build_fabric_from_flags, fabric_cli, run
+from data.demo import prepare_demo
 from fabric_utils import launcher
-from train import parse_args
 from fabric_utils.errors import UserError
+from fabric_utils.sharding import block_classes
+from task import build_model
+from train import parse_args
+
+LABELS = ["negative", "positive"]
 
 
 def fabric_for(*flags):
@@ -65,6 +77,80 @@ def test_fsdp_without_a_gpu_is_a_user_error():
 def test_fsdp_on_gpu_builds_the_strategy():
     fabric = fabric_for("--accelerator", "cuda", "--devices", "1", "--strategy", "fsdp")
     assert type(fabric.strategy) is FSDPStrategy
+    assert "auto_wrap_policy" in fabric.strategy._fsdp_kwargs
+
+
+@pytest.mark.gpu
+def test_fsdp_on_gpu_shards_each_block():
+    fabric = fabric_for("--accelerator", "cuda", "--devices", "1", "--strategy", "fsdp", "--precision", "bf16-mixed",
+                        "--grad-checkpointing")
+    fabric.launch()
+    model = fabric.setup_module(demo_bert())
+    units = [type(m.module).__name__ for m in model.modules() if type(m).__name__ == "FullyShardedDataParallel"]
+    assert sorted(units) == ["BertEmbeddings", "BertForSequenceClassification", "BertLayer", "BertLayer"]
+    assert sum(isinstance(m, CheckpointWrapper) for m in model.modules()) == 3
+
+
+def demo_model() -> str:
+    return str(prepare_demo(Path.home() / ".cache" / "fabric-template" / "demo")[1])
+
+
+def demo_bert():
+    return build_model(demo_model(), LABELS, "single_label", attention_dropout=0.0, hidden_dropout=None)
+
+
+def wrapped_by(policy, model) -> list[str]:
+    """The modules ``policy`` picks, as FSDP picks them: torch's recursive wrap over the model (Fabric refuses FSDP
+    itself on a CPU)."""
+    apply_activation_checkpointing(model, checkpoint_wrapper_fn=checkpoint_wrapper, auto_wrap_policy=policy)
+    return sorted(type(m._checkpoint_wrapped_module).__name__
+                  for m in model.modules() if isinstance(m, CheckpointWrapper))
+
+
+@pytest.mark.parametrize("name", ["fsdp", "fsdp_cpu_offload"])
+def test_fsdp_shards_and_checkpoints_each_transformer_block(name):
+    strategy = launcher.build_strategy({"strategy": name}, grad_checkpointing=True)
+    assert type(strategy) is FSDPStrategy
+    assert strategy.cpu_offload.offload_params == (name == "fsdp_cpu_offload")
+    blocks = ["BertEmbeddings", "BertLayer", "BertLayer"]  # the demo BERT's _no_split_modules, two layers
+    assert wrapped_by(strategy._fsdp_kwargs["auto_wrap_policy"], demo_bert()) == blocks
+    assert wrapped_by(strategy._activation_checkpointing_kwargs["auto_wrap_policy"], demo_bert()) == blocks
+    assert launcher.build_strategy({"strategy": name}, grad_checkpointing=False)._activation_checkpointing_kwargs == {}
+
+
+def test_block_classes_without_no_split_modules_are_those_of_the_layer_list():
+    from transformers import DistilBertConfig, DistilBertForSequenceClassification
+
+    distilbert = DistilBertForSequenceClassification(DistilBertConfig(vocab_size=32, dim=8, n_layers=2, n_heads=2,
+                                                                      hidden_dim=16))
+    assert not distilbert._no_split_modules
+    assert [cls.__name__ for cls in block_classes(distilbert)] == ["TransformerBlock"]
+    with pytest.raises(UserError, match="_no_split_modules"):
+        block_classes(nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("strategy, by_model", [("ddp", True), ("fsdp", False), ("fsdp2", False)])
+def test_grad_checkpointing_is_left_to_fsdp(strategy, by_model):
+    """Hugging Face's checkpointing conflicts with FSDP, which checkpoints the blocks it shards itself."""
+    built = launcher.build_strategy({"strategy": strategy, "accelerator": "cpu", "devices": "2", "num_nodes": 1},
+                                    grad_checkpointing=True)
+    assert launcher.strategy_checkpoints_blocks(built) != by_model
+
+
+def test_fsdp2_shards_over_every_process(monkeypatch):
+    fabric = fabric_for("--accelerator", "cpu", "--devices", "2", "--strategy", "fsdp2", "--precision", "bf16-mixed")
+    assert type(fabric.strategy) is ModelParallelStrategy and fabric.world_size == 2
+    assert (fabric.strategy._data_parallel_size, fabric.strategy._tensor_parallel_size) == (2, 1)
+    fabric_run_env(monkeypatch, accelerator="cpu", devices="3", num_nodes="2")
+    assert fabric_for("--strategy", "fsdp2").strategy._data_parallel_size == 6
+
+
+def test_fsdp_under_fabric_run_keeps_the_block_policy(monkeypatch):
+    """`fabric run --strategy fsdp`: Fabric must take the configured strategy, not rebuild a plain one from the
+    CLI's LT_STRATEGY (which it reports as a conflict); on a CPU it then refuses FSDP as without the CLI."""
+    fabric_run_env(monkeypatch, accelerator="cpu", devices="2", num_nodes="1", strategy="fsdp")
+    with pytest.raises(UserError, match="FSDP is only available on GPU"):
+        fabric_for()
 
 
 def test_precision_the_hardware_lacks_is_a_user_error():
