@@ -51,7 +51,7 @@ def main():
     args = p.parse_args()
 
     fabric = build_fabric(accelerator="cpu", devices=args.devices, strategy=args.strategy, precision="32-true",
-                          grad_clip=1.0, loggers=make_loggers("csv", args.out_dir))
+                          grad_clip=1.0, loggers=make_loggers("csv", args.out_dir, project="plain"))
     launch(fabric)
     fabric.seed_everything(7)
     x = torch.randn(256, 8, generator=torch.Generator().manual_seed(0))
