@@ -27,7 +27,7 @@ from fabric_utils.batch_size import find_batch_size
 from fabric_utils.checkpoint import find_resume_checkpoint, load_checkpoint, save_checkpoint
 from fabric_utils.errors import UserError, exit_on_user_error
 from fabric_utils.export import export_model
-from fabric_utils.launcher import build_fabric, clips_in_loop, launch
+from fabric_utils.launcher import build_fabric, clips_in_loop, launch, offloads_optimizer
 from fabric_utils.modeling import load_model, load_tokenizer
 from fabric_utils.observe import (Progress, environment_report, make_loggers, plot_metrics, prepare_out_dir,
                                   quiet_libraries, save_config)
@@ -79,7 +79,7 @@ def main(argv=None):
     steps_per_epoch = math.ceil(len(train_loader) / args.grad_accum)
     max_steps = args.max_steps or args.epochs * steps_per_epoch
 
-    optimizer = build_optimizer(model, args, fabric.device)
+    optimizer = build_optimizer(model, args, fabric.device, offload=offloads_optimizer(fabric))
     # on the plain optimizer: DeepSpeed's wrapper is no torch Optimizer, but steps the same parameter groups
     scheduler = build_scheduler(optimizer, args.scheduler, args.lr, max_steps,
                                 count_warmup_steps(args.warmup, max_steps))
@@ -104,7 +104,7 @@ def main(argv=None):
     check_finite = fabric.strategy.precision.precision != "16-mixed"  # the loss scaler skips non-finite steps itself
     model.train()  # from_pretrained returns the model in eval mode: dropout would stay off
     if args.compile:
-        warm_up(fabric, model, train_loader)
+        warm_up(fabric, model, optimizer, train_loader)
     fabric.barrier()
     train_start, start_step = time.perf_counter(), state["step"]
     samples = tokens = flops = 0.0  # this process's counts since it started (a resume starts them again)

@@ -9,7 +9,7 @@ values stops with a message that says which to remove.
 import argparse
 import os
 import typing
-import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -17,6 +17,7 @@ from lightning.fabric import Fabric
 from lightning.fabric.accelerators import ACCELERATOR_REGISTRY
 from lightning.fabric.plugins.precision.precision import _PRECISION_INPUT_STR, _PRECISION_INPUT_STR_ALIAS
 from lightning.fabric.strategies import STRATEGY_REGISTRY, DeepSpeedStrategy
+from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 
 from fabric_utils.errors import UserError
@@ -106,7 +107,7 @@ def build_fabric(args: argparse.Namespace, **fabric_kwargs) -> Fabric:
         raise UserError(f"cannot launch with {settings}: {str(err).splitlines()[0]}") from err
     check_precision_supported(settings["precision"], fabric.device)
     if isinstance(fabric.strategy, DeepSpeedStrategy):
-        configure_deepspeed(fabric.strategy.config, args.grad_clip, args.grad_accum)
+        configure_deepspeed(fabric.strategy, args.grad_clip)
     return fabric
 
 
@@ -121,14 +122,32 @@ def check_precision_supported(precision: str, device: torch.device) -> None:
                         f"--precision auto")
 
 
-def configure_deepspeed(config: dict, grad_clip: float, grad_accum: int) -> None:
-    """DeepSpeed clips gradients inside its optimizer step, so the clip value goes into its config. With
-    accumulation, the loop owns the boundary: DeepSpeed then reduces gradients only when the optimizer steps
-    (``managed_gradient_accumulation``), the same saving ``fabric.no_backward_sync`` gives DDP and FSDP."""
-    config["gradient_clipping"] = grad_clip
-    if grad_accum > 1:
-        config["managed_gradient_accumulation"] = False
-        warnings.filterwarnings("ignore", message=".*does not support skipping the gradient synchronization")
+def configure_deepspeed(strategy: DeepSpeedStrategy, grad_clip: float) -> None:
+    """DeepSpeed clips gradients inside its optimizer step, so the clip value goes into its config.
+
+    Fabric calls the engine's backward but the ZeRO optimizer's own step, never ``engine.step()``, so the engine
+    cannot count micro-batches itself; and Fabric's DeepSpeed strategy has no ``no_backward_sync``. This gives it
+    one that tells the engine whether the coming backward ends the accumulation group, DeepSpeed's own
+    ``set_gradient_accumulation_boundary``. ZeRO-1 then reduces the gradients once per optimizer step, in the last
+    micro-batch's backward; ZeRO-2 and 3 keep only their shard of the gradients, so every backward reduce-scatters
+    and the shards accumulate."""
+    strategy.config["gradient_clipping"] = grad_clip
+    strategy._backward_sync_control = _DeepSpeedAccumulationBoundary()
+
+
+class _DeepSpeedAccumulationBoundary(_BackwardSyncControl):
+    @contextmanager
+    def no_backward_sync(self, module, enabled: bool):
+        module.set_gradient_accumulation_boundary(not enabled)  # module: the DeepSpeedEngine
+        yield
+
+
+def offloads_optimizer(fabric: Fabric) -> bool:
+    """ZeRO-Offload steps the optimizer on the CPU (or NVMe), where DeepSpeed accepts only its own CPU optimizers."""
+    if not isinstance(fabric.strategy, DeepSpeedStrategy):
+        return False
+    offload = fabric.strategy.config.get("zero_optimization", {}).get("offload_optimizer", {})
+    return offload.get("device") in ("cpu", "nvme")
 
 
 def clips_in_loop(fabric: Fabric) -> bool:

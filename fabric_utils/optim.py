@@ -6,18 +6,27 @@ import torch
 from transformers import get_scheduler
 
 
-def build_optimizer(model, args, device: torch.device) -> torch.optim.Optimizer:
+def build_optimizer(model, args, device: torch.device, offload: bool = False) -> torch.optim.Optimizer:
     """AdamW (decoupled weight decay, none on biases and norms) with fused kernels on CUDA and multi-tensor
-    (foreach) kernels elsewhere; ``--optimizer adam`` is the article's plain Adam."""
-    if args.optimizer == "adam":
-        return torch.optim.Adam(model.parameters(), lr=args.lr)
-    decay, no_decay = [], []
-    for name, param in model.named_parameters():
-        if param.requires_grad:
-            (no_decay if param.ndim < 2 else decay).append(param)
-    groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    (foreach) kernels elsewhere; ``--optimizer adam`` is the article's plain Adam. With ``offload`` (DeepSpeed's
+    ZeRO-Offload) the step runs on the CPU copy of the weights, where DeepSpeed accepts only its own vectorized
+    CPU Adam: the same update, the same groups."""
+    adamw = args.optimizer == "adamw"
+    if adamw:
+        decay, no_decay = [], []
+        for param in model.parameters():
+            if param.requires_grad:
+                (no_decay if param.ndim < 2 else decay).append(param)
+        params = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    else:
+        params = model.parameters()
+    if offload:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam  # builds its C++ op on first use (minutes, then cached)
+        return DeepSpeedCPUAdam(params, lr=args.lr, adamw_mode=adamw)
+    if not adamw:
+        return torch.optim.Adam(params, lr=args.lr)
     kernel = {"fused": True} if device.type == "cuda" else {"foreach": True}
-    return torch.optim.AdamW(groups, lr=args.lr, **kernel)
+    return torch.optim.AdamW(params, lr=args.lr, **kernel)
 
 
 def count_warmup_steps(warmup: float, max_steps: int) -> int:

@@ -64,12 +64,14 @@ def mfu(monitor: ThroughputMonitor, fabric, flops: float, seconds: float) -> flo
     return total / seconds / (monitor.available_flops * fabric.world_size)
 
 
-def warm_up(fabric, model, loader) -> None:
+def warm_up(fabric, model, optimizer, loader) -> None:
     """Runs a training step's forward and backward, and an evaluation forward, so torch.compile builds both graphs
-    before the clock starts. The gradients are dropped, so the weights are untouched."""
+    before the clock starts. The gradients are dropped, so the weights and the first step are untouched: through
+    the optimizer's ``zero_grad``, because DeepSpeed's ZeRO-3 has already moved them into its gradient shards,
+    where only its own ``zero_grad`` makes the next backward overwrite them rather than add to them."""
     batch = next(iter(loader))
     fabric.backward(model(**batch).loss)
-    model.zero_grad(set_to_none=True)
+    optimizer.zero_grad(set_to_none=True)
     model.eval()
     with torch.no_grad():
         model(**batch)

@@ -5,11 +5,15 @@ Fabric refuses DeepSpeed unless the accelerator is CUDA, checks that device indi
 have no index), and passes ``device_rank=None`` to ``deepspeed.initialize`` on CPU where DeepSpeed expects an int.
 DeepSpeed itself runs ZeRO 2 and 3 on CPU tensors. Python imports this file at start-up when tests put this folder
 on PYTHONPATH and set FABRIC_TEMPLATE_DEEPSPEED_CPU=1; child processes started by Fabric inherit both.
+
+So does every other Python subprocess, such as the one py-cpuinfo starts for DeepSpeed's CPU Adam and whose
+stdout it parses as JSON: naming the accelerator keeps DeepSpeed's "Setting accelerator to CPU" warning off it.
 """
 
 import os
 
 if os.environ.get("FABRIC_TEMPLATE_DEEPSPEED_CPU") == "1":
+    os.environ["DS_ACCELERATOR"] = "cpu"
     import deepspeed
     import lightning.fabric.strategies.deepspeed as fabric_deepspeed
     from lightning.fabric.accelerators import CPUAccelerator
