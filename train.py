@@ -26,7 +26,7 @@ from fabric_utils.checkpoint import find_resume_checkpoint, load_checkpoint, sav
 from fabric_utils.errors import UserError, exit_on_user_error
 from fabric_utils.export import export_model
 from fabric_utils.launcher import (build_fabric, clips_in_loop, launch, strategy_checkpoints_blocks,
-                                   warn_if_updates_vanish)
+                                   offloads_optimizer, warn_if_updates_vanish)
 from fabric_utils.loggers import finalize_loggers, make_loggers, plot_metrics, save_tracker_ids, saved_tracker_ids
 from fabric_utils.optim import build_optimizer, build_scheduler, count_warmup_steps
 from fabric_utils.preemption import Preemption
@@ -56,7 +56,7 @@ def setup(argv=None) -> dict:
                            resume_ids=saved_tracker_ids(out_dir) if args.resume else None)
     fabric = build_fabric(accelerator=args.accelerator, devices=args.devices, num_nodes=args.num_nodes,
                           strategy=args.strategy, precision=args.precision, grad_clip=args.grad_clip,
-                          grad_accum=args.grad_accum, grad_checkpointing=args.grad_checkpointing,
+                          grad_checkpointing=args.grad_checkpointing,
                           loggers=loggers)                                                   # Fabric step 1
     warn_if_updates_vanish(fabric.strategy.precision, lr=args.lr)
     launch(fabric)                                                                           # Fabric step 2
@@ -90,7 +90,8 @@ def main(fabric, args, out_dir: Path) -> dict:
         model = compile_model(model, mode=args.compile_mode)
     model, optimizer, torch_optimizer = setup_model_and_optimizer(                              # Fabric step 3
         fabric, model, lambda module: build_optimizer(module, name=args.optimizer, lr=args.lr,
-                                                      weight_decay=args.weight_decay, device=fabric.device))
+                                                      weight_decay=args.weight_decay, device=fabric.device,
+                                                      offload=offloads_optimizer(fabric)))
     if args.batch_size == "auto":  # probed on the model and optimizer as set up: wrapped, sharded, with state
         args.batch_size = find_batch_size(fabric, model, optimizer, make_batch=dummy_batch,
                                           loss_fn=objective.step_loss)
@@ -153,7 +154,7 @@ def fit(fabric, args, state, loaders, preemption, ckpt_dir, max_steps, flops_of,
     progress = Progress(fabric, max_steps, args.quiet, metrics=objective.make_metrics())
     monitor = Throughput(fabric, args.peak_tflops, flops_of)
     if args.compile:
-        warm_up(fabric, model, next(iter(train_loader)), objective.step_loss)
+        warm_up(fabric, model, optimizer, next(iter(train_loader)), objective.step_loss)
     fabric.barrier()
     monitor.start(state["step"])
     stale, preempted, stop = 0, False, False

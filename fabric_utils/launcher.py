@@ -9,7 +9,7 @@ values stops with a message that says which to remove.
 import argparse
 import os
 import typing
-import warnings
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 
@@ -19,6 +19,7 @@ from lightning.fabric.accelerators import ACCELERATOR_REGISTRY
 from lightning.fabric.plugins.precision import DeepSpeedPrecision, Precision
 from lightning.fabric.plugins.precision.precision import _PRECISION_INPUT_STR, _PRECISION_INPUT_STR_ALIAS
 from lightning.fabric.strategies import STRATEGY_REGISTRY, DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
+from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
@@ -104,10 +105,10 @@ def cpu_has_native_bf16() -> bool:
 
 
 def build_fabric(accelerator=None, devices=None, num_nodes=None, strategy=None, precision=None, grad_clip=0.0,
-                 grad_accum=1, grad_checkpointing=False, **fabric_kwargs) -> Fabric:
+                 grad_checkpointing=False, **fabric_kwargs) -> Fabric:
     """Builds the Fabric from the launch flags (None: not given); a setting Fabric rejects (16-mixed on CPU,
-    3 devices on a 1-GPU machine) becomes a one-line ``UserError``. ``grad_clip`` and ``grad_accum`` go into
-    DeepSpeed's config, which owns both under that strategy; FSDP and FSDP2 do ``grad_checkpointing`` themselves."""
+    3 devices on a 1-GPU machine) becomes a one-line ``UserError``. ``grad_clip`` goes into DeepSpeed's config,
+    which clips inside its optimizer step; FSDP and FSDP2 do ``grad_checkpointing`` themselves."""
     settings = resolve_launch_settings(dict(accelerator=accelerator, devices=devices, num_nodes=num_nodes,
                                             strategy=strategy, precision=precision))
     try:
@@ -119,7 +120,7 @@ def build_fabric(accelerator=None, devices=None, num_nodes=None, strategy=None, 
         raise UserError(f"cannot launch with {settings}: {str(err).splitlines()[0]}") from err
     check_precision_supported(settings["precision"], fabric.strategy.precision.precision, fabric.device)
     if isinstance(fabric.strategy, DeepSpeedStrategy):
-        configure_deepspeed(fabric.strategy.config, grad_clip, grad_accum)
+        configure_deepspeed(fabric.strategy, grad_clip)
     return fabric
 
 
@@ -182,14 +183,32 @@ def warn_if_updates_vanish(plugin: Precision, lr: float) -> None:
                        f"bf16-mixed (bf16 compute, fp32 weights) unless memory forces bf16-true")
 
 
-def configure_deepspeed(config: dict, grad_clip: float, grad_accum: int) -> None:
-    """DeepSpeed clips gradients inside its optimizer step, so the clip value goes into its config. With
-    accumulation, the loop owns the boundary: DeepSpeed then reduces gradients only when the optimizer steps
-    (``managed_gradient_accumulation``), the same saving ``fabric.no_backward_sync`` gives DDP and FSDP."""
-    config["gradient_clipping"] = grad_clip
-    if grad_accum > 1:
-        config["managed_gradient_accumulation"] = False
-        warnings.filterwarnings("ignore", message=".*does not support skipping the gradient synchronization")
+def configure_deepspeed(strategy: DeepSpeedStrategy, grad_clip: float) -> None:
+    """DeepSpeed clips gradients inside its optimizer step, so the clip value goes into its config.
+
+    Fabric calls the engine's backward but the ZeRO optimizer's own step, never ``engine.step()``, so the engine
+    cannot count micro-batches itself; and Fabric's DeepSpeed strategy has no ``no_backward_sync``. This gives it
+    one that tells the engine whether the coming backward ends the accumulation group, DeepSpeed's own
+    ``set_gradient_accumulation_boundary``. ZeRO-1 then reduces the gradients once per optimizer step, in the last
+    micro-batch's backward; ZeRO-2 and 3 keep only their shard of the gradients, so every backward reduce-scatters
+    and the shards accumulate."""
+    strategy.config["gradient_clipping"] = grad_clip
+    strategy._backward_sync_control = _DeepSpeedAccumulationBoundary()
+
+
+class _DeepSpeedAccumulationBoundary(_BackwardSyncControl):
+    @contextmanager
+    def no_backward_sync(self, module, enabled: bool):
+        module.set_gradient_accumulation_boundary(not enabled)  # module: the DeepSpeedEngine
+        yield
+
+
+def offloads_optimizer(fabric: Fabric) -> bool:
+    """ZeRO-Offload steps the optimizer on the CPU (or NVMe), where DeepSpeed accepts only its own CPU optimizers."""
+    if not isinstance(fabric.strategy, DeepSpeedStrategy):
+        return False
+    offload = fabric.strategy.config.get("zero_optimization", {}).get("offload_optimizer", {})
+    return offload.get("device") in ("cpu", "nvme")
 
 
 def clips_in_loop(fabric: Fabric) -> bool:

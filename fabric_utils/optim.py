@@ -5,18 +5,28 @@ import math
 import torch
 
 
-def build_optimizer(model, name: str, lr: float, weight_decay: float, device: torch.device) -> torch.optim.Optimizer:
+def build_optimizer(model, name: str, lr: float, weight_decay: float, device: torch.device,
+                    offload: bool = False) -> torch.optim.Optimizer:
     """AdamW (decoupled weight decay, none on biases and norms) with fused kernels on CUDA and multi-tensor
-    (foreach) kernels elsewhere; ``adam`` is the article's plain Adam."""
-    if name == "adam":
-        return torch.optim.Adam(model.parameters(), lr=lr)
-    decay, no_decay = [], []
-    for param in model.parameters():
-        if param.requires_grad:
-            (no_decay if param.ndim < 2 else decay).append(param)
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    (foreach) kernels elsewhere; ``adam`` is the article's plain Adam. With ``offload`` (DeepSpeed's ZeRO-Offload)
+    the step runs on the CPU copy of the weights, where DeepSpeed accepts only its own vectorized CPU Adam: the same
+    update, the same groups."""
+    adamw = name == "adamw"
+    if adamw:
+        decay, no_decay = [], []
+        for param in model.parameters():
+            if param.requires_grad:
+                (no_decay if param.ndim < 2 else decay).append(param)
+        params = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    else:
+        params = [param for param in model.parameters() if param.requires_grad]
+    if offload:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam  # builds its C++ op on first use (minutes, then cached)
+        return DeepSpeedCPUAdam(params, lr=lr, adamw_mode=adamw)
+    if not adamw:
+        return torch.optim.Adam(params, lr=lr)
     kernel = {"fused": True} if device.type == "cuda" else {"foreach": True}
-    return torch.optim.AdamW(groups, lr=lr, **kernel)
+    return torch.optim.AdamW(params, lr=lr, **kernel)
 
 
 def count_warmup_steps(warmup: float, max_steps: int) -> int:

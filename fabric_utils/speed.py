@@ -110,11 +110,13 @@ def compile_model(model: torch.nn.Module, mode: str) -> torch.nn.Module:
     return torch.compile(model, mode=mode, dynamic=True)
 
 
-def warm_up(fabric, model, batch: dict, loss_fn: Callable[[torch.nn.Module, dict], torch.Tensor]) -> None:
+def warm_up(fabric, model, optimizer, batch: dict, loss_fn: Callable[[torch.nn.Module, dict], torch.Tensor]) -> None:
     """Runs a training step's forward and backward, and an evaluation forward, so torch.compile builds both graphs
-    before the clock starts. The gradients are dropped, so the weights are untouched."""
+    before the clock starts. The gradients are dropped, so the weights and the first step are untouched: through
+    the optimizer's ``zero_grad``, because DeepSpeed's ZeRO-3 has already moved them into its gradient shards,
+    where only its own ``zero_grad`` makes the next backward overwrite them rather than add to them."""
     fabric.backward(loss_fn(model, batch))
-    model.zero_grad(set_to_none=True)
+    optimizer.zero_grad(set_to_none=True)
     model.eval()
     with torch.no_grad():
         loss_fn(model, batch)

@@ -60,7 +60,7 @@ def build_fabric_from_flags(*flags):
     args = parse_args(list(flags))
     return build_fabric(accelerator=args.accelerator, devices=args.devices, num_nodes=args.num_nodes,
                         strategy=args.strategy, precision=args.precision, grad_clip=args.grad_clip,
-                        grad_accum=args.grad_accum, grad_checkpointing=args.grad_checkpointing)
+                        grad_checkpointing=args.grad_checkpointing)
 
 
 def train(args: list, out_dir: Path, **kwargs) -> dict:

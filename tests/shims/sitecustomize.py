@@ -9,12 +9,15 @@ DeepSpeed itself runs ZeRO 2 and 3 on CPU tensors.
 FABRIC_TEMPLATE_FP16_CPU=1 makes ``--precision 16-mixed`` on CPU real fp16 autocast with a loss scaler.
 
 Python imports this file at start-up when tests put this folder on PYTHONPATH and set a variable; child processes
-started by Fabric inherit both.
+started by Fabric inherit both, and so does every other Python subprocess, such as the one py-cpuinfo starts for
+DeepSpeed's CPU Adam and whose stdout it parses as JSON: naming the accelerator (DS_ACCELERATOR) keeps DeepSpeed's
+"Setting accelerator to CPU" warning off it.
 """
 
 import os
 
 if os.environ.get("FABRIC_TEMPLATE_DEEPSPEED_CPU") == "1":
+    os.environ["DS_ACCELERATOR"] = "cpu"
     import deepspeed
     import lightning.fabric.strategies.deepspeed as fabric_deepspeed
     from lightning.fabric.accelerators import CPUAccelerator
