@@ -174,11 +174,17 @@ def _check_meta(path: Path, found, expected: dict) -> None:
         raise UserError(f"checkpoint {path} has no readable model and label record; start a new --out-dir or "
                         f"pass another --resume")
     same_model = _same_model(found.get("model"), expected.get("model"))
-    if same_model and found.get("labels") == expected.get("labels"):
+    if same_model and {k: v for k, v in found.items() if k != "model"} == {
+            k: v for k, v in expected.items() if k != "model"}:
         return
     if not same_model:
         raise UserError(f"checkpoint {path} was written for model {found.get('model')}, not {expected.get('model')};"
                         f" resume with the same --model, or start a new --out-dir")
-    raise UserError(f"checkpoint {path} was written for labels {found.get('labels')}, but the data has labels "
-                    f"{expected.get('labels')}; resume with the same data and --label-column, or start a new "
+    if found.get("labels") != expected.get("labels"):
+        raise UserError(f"checkpoint {path} was written for labels {found.get('labels')}, but the data has labels "
+                        f"{expected.get('labels')}; resume with the same data and --label-column, or start a new "
+                        f"--out-dir")
+    differ = sorted(k for k in {*found, *expected} - {"model", "labels"} if found.get(k) != expected.get(k))
+    raise UserError(f"checkpoint {path} was written with {', '.join(f'{k} {found.get(k)}' for k in differ)}, not "
+                    f"{', '.join(str(expected.get(k)) for k in differ)}; resume with the same flags, or start a new "
                     f"--out-dir")

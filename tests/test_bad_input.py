@@ -237,7 +237,7 @@ def test_the_good_run_works(outcomes):
     assert result["rc"] == 0, result["stderr"][-5000:]
     assert (facts["good_ckpt"] / "state").is_file()
     meta = torch.load(facts["good_ckpt"] / "state", weights_only=True, mmap=True)["meta"]
-    assert meta == {"model": MODEL, "labels": ["negative", "positive"]}
+    assert meta == {"model": MODEL, "labels": ["negative", "positive"], "problem_type": "single_label"}
 
 
 @pytest.mark.parametrize("case_id", CASE_IDS)
