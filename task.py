@@ -3,7 +3,7 @@
 To train something else, this is the file to edit; `train.py` and `fabric_utils/` only ever call what is here:
 - `add_args`: the data and model flags
 - `load_data`: rows -> tokenized train / validation / test splits (via `data/`), and the label names
-- `build_model`: the model to train
+- `build_model`: the model to train (all of it, or LoRA adapters on a frozen model)
 - `forward`: a batch -> logits
 - `Objective`: the loss (one for training and evaluation), the metrics, and which metric picks the best checkpoint,
   by problem type (single-label, multi-label, regression)
@@ -12,6 +12,7 @@ To train something else, this is the file to edit; `train.py` and `fabric_utils/
 """
 
 import argparse
+import copy
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,11 +29,15 @@ from data.demo import prepare_demo
 from data.labels import PROBLEM_TYPES
 from data.sources import load_splits
 from data.tokenize import tokenize_splits
-from fabric_utils.args import dropout, positive_int
+from fabric_utils.args import dropout, non_negative_int, positive_float, positive_int, probability
 from fabric_utils.errors import UserError
 
 # the demo's tiny model starts from random weights: it needs a far larger learning rate than fine-tuning
 DEMO_DEFAULTS = {"lr": 2e-3}
+# LoRA trains a few small matrices from zero: it needs about ten times full fine-tuning's rate (bench/RESULTS.md, LoRA)
+LORA_DEFAULTS = {"lr": 5e-4}
+# LoRA's layers where peft's per-architecture table (the attention query and value projections) has no entry
+LORA_TARGETS = {"distilbert": ["q_lin", "v_lin"]}
 DEMO_ROOT = Path.home() / ".cache" / "fabric-template" / "demo"
 
 
@@ -71,6 +76,17 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                         "mask over every attention matrix, which halved the step time on CPU (bench/RESULTS.md)")
     g.add_argument("--hidden-dropout", type=dropout, default="model",
                    help="hidden-state dropout, or 'model' for the model's own")
+
+    g = parser.add_argument_group("LoRA: train low-rank adapters and the classification head, the rest frozen")
+    g.add_argument("--lora-r", type=non_negative_int, default=0,
+                   help="adapter rank (8 is typical); 0 trains every weight. Sets --lr's default to "
+                        f"{LORA_DEFAULTS['lr']}")
+    g.add_argument("--lora-alpha", type=positive_float, help="adapter scale: updates are multiplied by alpha / r "
+                   "(default 2 x r, so the scale and the right --lr stay the same when r changes)")
+    g.add_argument("--lora-dropout", type=probability, default=0.0, help="dropout on the adapters' input")
+    g.add_argument("--lora-target-modules", nargs="+", metavar="NAME",
+                   help="names of the linear layers to adapt (default: peft's choice for the architecture, the "
+                        "attention query and value projections)")
 
 
 def quiet_libraries(quiet: bool) -> None:
@@ -124,10 +140,13 @@ HF_PROBLEM_TYPES = {"single_label": "single_label_classification", "multi_label"
 
 
 def build_model(source: str, label_names: list[str], problem_type: str, attention_dropout: float | None,
-                hidden_dropout: float | None, grad_checkpointing: bool = False) -> torch.nn.Module:
+                hidden_dropout: float | None, grad_checkpointing: bool = False, lora_r: int = 0,
+                lora_alpha: float | None = None, lora_dropout: float = 0.0,
+                lora_target_modules: list[str] | None = None) -> torch.nn.Module:
     """The pretrained encoder with a fresh head for ``label_names`` (never running remote code). Its config carries
     the problem type and the label names, so the exported model predicts the right way (softmax, sigmoid or a
-    number). A dropout of None keeps the model's own."""
+    number). A dropout of None keeps the model's own. ``lora_r`` > 0 freezes it and adds LoRA adapters
+    (``add_lora``)."""
     _check_source(source)
     try:
         config = AutoConfig.from_pretrained(source, trust_remote_code=False)
@@ -150,7 +169,34 @@ def build_model(source: str, label_names: list[str], problem_type: str, attentio
         **{k: v for k, v in overrides.items() if hasattr(config, k)})
     if grad_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if lora_r:
+        model = add_lora(model, r=lora_r, alpha=lora_alpha or 2 * lora_r, dropout=lora_dropout,
+                         target_modules=lora_target_modules)
     return model.train()  # from_pretrained returns eval mode: dropout would stay off
+
+
+def add_lora(model, r: int, alpha: float, dropout: float, target_modules: list[str] | None):
+    """Freezes ``model`` and adds LoRA adapters (``W + alpha / r * B @ A``, B starting at zero) to the linear layers
+    named ``target_modules`` (default: peft's per-architecture choice). peft's sequence-classification task keeps
+    the head trainable: every module whose name ends in "classifier" or "score" (DistilBERT's pre_classifier too).
+    peft is imported only here: it adds a second to every start."""
+    from peft import LoraConfig, TaskType, get_peft_model
+    from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as PEFT_TARGETS
+
+    model_type = model.config.model_type
+    target_modules = target_modules or PEFT_TARGETS.get(model_type) or LORA_TARGETS.get(model_type)
+    linear = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+                     if isinstance(module, torch.nn.Linear)})
+    if not target_modules:
+        raise UserError(f"no default LoRA layers for model type {model_type}: pass --lora-target-modules with "
+                        f"some of its linear layers {linear}")
+    config = LoraConfig(task_type=TaskType.SEQ_CLS, r=r, lora_alpha=alpha, lora_dropout=dropout,
+                        target_modules=list(target_modules))
+    try:
+        return get_peft_model(model, config)
+    except ValueError as err:  # peft's check that every name matches a layer
+        raise UserError(f"--lora-target-modules {' '.join(target_modules)}: {str(err).splitlines()[0]} (its linear "
+                        f"layers: {linear})") from err
 
 
 # ---- forward, loss, metrics: shared by training and evaluation -------------------------------------------------------
@@ -218,9 +264,17 @@ def row_lengths(batch: dict) -> torch.Tensor:
 
 
 # ---- export ----------------------------------------------------------------------------------------------------------
-def export(state_dict: dict, model_config, tokenizer, out: Path) -> None:
-    """Writes a Hugging Face folder (weights, config with label names, tokenizer) into ``out``."""
-    model = AutoModelForSequenceClassification.from_config(model_config)
+def export(state_dict: dict, trained, tokenizer, out: Path) -> None:
+    """Writes a Hugging Face folder (weights, config with label names, tokenizer) into ``out``: ``state_dict`` into
+    a fresh copy of the ``trained`` model's architecture (its own weights may be sharded). LoRA adapters are merged
+    into the weights they adapt, so the folder loads with plain ``from_pretrained``, without peft."""
+    model = AutoModelForSequenceClassification.from_config(trained.config)
+    lora = getattr(trained, "peft_config", None)  # set on a peft model
+    if lora:
+        from peft import get_peft_model
+        model = get_peft_model(model, copy.deepcopy(lora["default"]))
     model.load_state_dict(state_dict, strict=True)
+    if lora:
+        model = model.merge_and_unload()
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)

@@ -28,7 +28,7 @@ from fabric_utils.export import export_model
 from fabric_utils.launcher import (build_fabric, clips_in_loop, launch, strategy_checkpoints_blocks,
                                    offloads_optimizer, warn_if_updates_vanish)
 from fabric_utils.loggers import finalize_loggers, make_loggers, plot_metrics, save_tracker_ids, saved_tracker_ids
-from fabric_utils.optim import build_optimizer, build_scheduler, count_warmup_steps
+from fabric_utils.optim import build_optimizer, build_scheduler, count_parameters, count_warmup_steps
 from fabric_utils.preemption import Preemption
 from fabric_utils.progress import Progress
 from fabric_utils.sharding import setup_model_and_optimizer
@@ -45,7 +45,7 @@ def flag_parser():
 
 
 def parse_args(argv=None):
-    return parse_flags(flag_parser(), argv, presets={"demo": task.DEMO_DEFAULTS})
+    return parse_flags(flag_parser(), argv, presets={"demo": task.DEMO_DEFAULTS, "lora_r": task.LORA_DEFAULTS})
 
 
 @exit_on_user_error
@@ -78,7 +78,9 @@ def main(fabric, args, out_dir: Path) -> dict:
     model = task.build_model(data.model_source, data.label_names, data.problem_type,
                              attention_dropout=args.attention_dropout, hidden_dropout=args.hidden_dropout,
                              # FSDP and FSDP2 checkpoint the blocks they shard themselves
-                             grad_checkpointing=args.grad_checkpointing and not strategy_checkpoints_blocks(fabric.strategy))
+                             grad_checkpointing=args.grad_checkpointing and not strategy_checkpoints_blocks(fabric.strategy),
+                             lora_r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+                             lora_target_modules=args.lora_target_modules)
     save_config(fabric, args, out_dir)  # only now: bad data or model must leave the folder untouched
     save_tracker_ids(fabric, out_dir)  # starts the tracked runs (MLflow, W&B) and keeps their ids for a resume
 
@@ -250,10 +252,10 @@ def finish(fabric, args, state, loaders, out_dir, data, objective, env) -> dict:
     fabric.load(best, {"model": model})
     test = evaluate(fabric, model, loaders["test"], objective)
     export_model(fabric, best, out_dir / "model",
-                 write=lambda weights, folder: task.export(weights, model.config, data.tokenizer, folder))
+                 write=lambda weights, folder: task.export(weights, model, data.tokenizer, folder))
     results = {
         **{f"val_{k}": v for k, v in state["best_val"].items()}, **{f"test_{k}": v for k, v in test.items()},
-        "train_examples": len(data.splits["train"]), "steps": state["step"],
+        "train_examples": len(data.splits["train"]), **count_parameters(model), "steps": state["step"],
         "epochs": state["epoch"] + (state["batch_in_epoch"] > 0), "world_size": fabric.world_size,
         "precision": fabric.strategy.precision.precision, "strategy": type(fabric.strategy).__name__,
         **state["throughput"], "peak_memory_mb": peak_memory_mb(fabric.device), "environment": env,

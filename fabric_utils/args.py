@@ -18,6 +18,13 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be zero or a positive integer, got {text}")
+    return value
+
+
 def positive_float(text: str) -> float:
     value = float(text)
     if not value > 0:
@@ -32,14 +39,17 @@ def non_negative_float(text: str) -> float:
     return value
 
 
-def dropout(text: str):
-    """A probability, or "model" (None): keep what the model's config says."""
-    if text == "model":
-        return None
+def probability(text: str) -> float:
+    """A dropout rate: in [0, 1)."""
     value = float(text)
     if not 0 <= value < 1:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1) or 'model', got {text}")
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
     return value
+
+
+def dropout(text: str):
+    """A probability, or "model" (None): keep what the model's config says."""
+    return None if text == "model" else probability(text)
 
 
 def batch_size(text: str):
@@ -108,15 +118,15 @@ def build_parser(description: str) -> argparse.ArgumentParser:
 
 
 def parse_flags(parser: argparse.ArgumentParser, argv=None, presets: dict | None = None) -> argparse.Namespace:
-    """Parses ``argv``; ``--config FILE`` values become defaults, and ``presets`` maps a boolean flag to the defaults
-    it brings (``{"demo": {"lr": 2e-3}}``): flags given on the command line win over both."""
+    """Parses ``argv``; ``--config FILE`` values become defaults, and ``presets`` maps a flag to the defaults it
+    brings when set (``{"demo": {"lr": 2e-3}}``): the file wins over presets, the command line over both."""
     args = parser.parse_args(argv)
-    if args.config:
-        parser.set_defaults(**load_config(args.config, parser))
-        args = parser.parse_args(argv)
+    config = load_config(args.config, parser) if args.config else {}
+    parser.set_defaults(**config)
+    args = parser.parse_args(argv)
     for flag, defaults in (presets or {}).items():
         if getattr(args, flag):
-            parser.set_defaults(**defaults)
+            parser.set_defaults(**{name: value for name, value in defaults.items() if name not in config})
             args = parser.parse_args(argv)
     for name in args.logger.split(","):
         if name not in LOGGER_NAMES:

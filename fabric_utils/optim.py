@@ -29,6 +29,12 @@ def build_optimizer(model, name: str, lr: float, weight_decay: float, device: to
     return torch.optim.AdamW(params, lr=lr, **kernel)
 
 
+def count_parameters(model) -> dict:
+    """Trainable and all parameters; DeepSpeed ZeRO-3 leaves each rank a shard of each, but records its full size."""
+    sizes = [(getattr(p, "ds_numel", p.numel()), p.requires_grad) for p in model.parameters()]
+    return {"trainable_params": sum(n for n, trainable in sizes if trainable), "total_params": sum(n for n, _ in sizes)}
+
+
 def count_warmup_steps(warmup: float, max_steps: int) -> int:
     """A fraction of all steps below 1 (rounded up, as transformers does), else a step count."""
     return math.ceil(warmup * max_steps) if warmup < 1 else int(warmup)
