@@ -81,6 +81,7 @@ def main(fabric, args, out_dir: Path) -> dict:
                              grad_checkpointing=args.grad_checkpointing and not strategy_checkpoints_blocks(fabric.strategy),
                              lora_r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
                              lora_target_modules=args.lora_target_modules)
+    params = count_parameters(model)  # now, while every rank holds every weight (no strategy has sharded them)
     save_config(fabric, args, out_dir)  # only now: bad data or model must leave the folder untouched
     save_tracker_ids(fabric, out_dir)  # starts the tracked runs (MLflow, W&B) and keeps their ids for a resume
 
@@ -114,7 +115,7 @@ def main(fabric, args, out_dir: Path) -> dict:
         finalize_loggers(fabric.loggers, status="preempted")  # this segment's metrics stay on disk
         fabric.print(f"preempted: saved a checkpoint at step {state['step']}; rerun with --resume auto")
         preemption.exit(fabric)  # status EXIT_PREEMPTED (75)
-    return finish(fabric, args, state, loaders, out_dir, data, objective, env)
+    return finish(fabric, args, state, loaders, out_dir, data, objective, env, params)
 
 
 def load_data(fabric, args) -> task.TaskData:
@@ -246,7 +247,7 @@ def evaluate(fabric, model, loader, objective) -> dict:
             "examples": int(rows.compute().item())}
 
 
-def finish(fabric, args, state, loaders, out_dir, data, objective, env) -> dict:
+def finish(fabric, args, state, loaders, out_dir, data, objective, env, params) -> dict:
     """Tests the best model, exports it and writes results.json."""
     model, best = state["model"], out_dir / "checkpoints" / "best" / "state"
     fabric.load(best, {"model": model})
@@ -255,7 +256,7 @@ def finish(fabric, args, state, loaders, out_dir, data, objective, env) -> dict:
                  write=lambda weights, folder: task.export(weights, model, data.tokenizer, folder))
     results = {
         **{f"val_{k}": v for k, v in state["best_val"].items()}, **{f"test_{k}": v for k, v in test.items()},
-        "train_examples": len(data.splits["train"]), **count_parameters(model), "steps": state["step"],
+        "train_examples": len(data.splits["train"]), **params, "steps": state["step"],
         "epochs": state["epoch"] + (state["batch_in_epoch"] > 0), "world_size": fabric.world_size,
         "precision": fabric.strategy.precision.precision, "strategy": type(fabric.strategy).__name__,
         **state["throughput"], "peak_memory_mb": peak_memory_mb(fabric.device), "environment": env,

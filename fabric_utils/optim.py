@@ -30,9 +30,10 @@ def build_optimizer(model, name: str, lr: float, weight_decay: float, device: to
 
 
 def count_parameters(model) -> dict:
-    """Trainable and all parameters; DeepSpeed ZeRO-3 leaves each rank a shard of each, but records its full size."""
-    sizes = [(getattr(p, "ds_numel", p.numel()), p.requires_grad) for p in model.parameters()]
-    return {"trainable_params": sum(n for n, trainable in sizes if trainable), "total_params": sum(n for n, _ in sizes)}
+    """Trainable and all parameters of a model not yet sharded (FSDP and ZeRO-3 leave each rank a part of each)."""
+    params = list(model.parameters())
+    return {"trainable_params": sum(p.numel() for p in params if p.requires_grad),
+            "total_params": sum(p.numel() for p in params)}
 
 
 def count_warmup_steps(warmup: float, max_steps: int) -> int:

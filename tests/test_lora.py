@@ -58,8 +58,8 @@ def test_lora_trains_a_small_part_and_exports_a_plain_model_with_the_adapters_me
     assert not any(info.values()), info  # every weight has its plain name: no lora_, base_layer, modules_to_save
 
     # the trained model, as the best checkpoint holds it: the frozen model plus adapters
-    trained = task.build_model(str(task.DEMO_ROOT / "model"), ["negative", "positive"], attention_dropout=0.0,
-                               hidden_dropout=0.0, lora_r=8)
+    trained = task.build_model(str(task.DEMO_ROOT / "model"), ["negative", "positive"], "single_label",
+                               attention_dropout=0.0, hidden_dropout=0.0, lora_r=8)
     trained.load_state_dict(torch.load(out / "checkpoints" / "best" / "state", weights_only=True)["model"])
     tokenizer = AutoTokenizer.from_pretrained(exported)
     batch = tokenizer(["a good film with a dull plot", "boring and messy but the cast was superb"] * 4,
@@ -112,7 +112,7 @@ def tiny_model(folder, config) -> str:
      {"q_lin", "v_lin"}, {"pre_classifier", "classifier"}),  # an architecture peft's table lacks
 ])
 def test_default_target_modules_and_trainable_head_per_architecture(tmp_path, config, adapted, head):
-    model = task.build_model(tiny_model(tmp_path, config), ["a", "b"], None, None, lora_r=4)
+    model = task.build_model(tiny_model(tmp_path, config), ["a", "b"], "single_label", None, None, lora_r=4)
     trainable = {name for name, p in model.named_parameters() if p.requires_grad}
     assert {name.split(".lora_")[0].rsplit(".", 1)[-1] for name in trainable if ".lora_" in name} == adapted
     assert {name.split(".modules_to_save")[0].rsplit(".", 1)[-1] for name in trainable if "modules_to_save" in name
@@ -124,7 +124,7 @@ def test_bad_target_modules_name_the_linear_layers(tmp_path):
     source = tiny_model(tmp_path, BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
                                              intermediate_size=64))
     with pytest.raises(UserError, match=r"--lora-target-modules q_proj.*'query'"):
-        task.build_model(source, ["a", "b"], None, None, lora_r=4, lora_target_modules=["q_proj"])
+        task.build_model(source, ["a", "b"], "single_label", None, None, lora_r=4, lora_target_modules=["q_proj"])
 
 
 def test_lora_brings_its_learning_rate_unless_one_is_given(tmp_path):
