@@ -78,7 +78,8 @@ def main(fabric, args, out_dir: Path) -> dict:
     model = task.build_model(data.model_source, data.label_names, data.problem_type,
                              attention_dropout=args.attention_dropout, hidden_dropout=args.hidden_dropout,
                              # FSDP and FSDP2 checkpoint the blocks they shard themselves
-                             grad_checkpointing=args.grad_checkpointing and not strategy_checkpoints_blocks(fabric.strategy),
+                             grad_checkpointing=args.grad_checkpointing
+                             and not strategy_checkpoints_blocks(fabric.strategy),
                              lora_r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
                              lora_target_modules=args.lora_target_modules)
     params = count_parameters(model)  # now, while every rank holds every weight (no strategy has sharded them)
@@ -111,11 +112,13 @@ def main(fabric, args, out_dir: Path) -> dict:
         load_checkpoint(fabric, resume_from, state, expected_meta=meta)
         fabric.print(f"resumed from {resume_from} at step {state['step']}")
 
-    if fit(fabric, args, state, loaders, preemption, out_dir / "checkpoints", max_steps, flops_of, objective):
+    if fit(fabric, args, state, loaders=loaders, preemption=preemption, ckpt_dir=out_dir / "checkpoints",
+           max_steps=max_steps, flops_of=flops_of, objective=objective):
         finalize_loggers(fabric.loggers, status="preempted")  # this segment's metrics stay on disk
         fabric.print(f"preempted: saved a checkpoint at step {state['step']}; rerun with --resume auto")
         preemption.exit(fabric)  # status EXIT_PREEMPTED (75)
-    return finish(fabric, args, state, loaders, out_dir, data, objective, env, params)
+    return finish(fabric, args, state, loaders=loaders, out_dir=out_dir, data=data, objective=objective,
+                  report={**params, "environment": env})
 
 
 def load_data(fabric, args) -> task.TaskData:
@@ -157,7 +160,7 @@ def fit(fabric, args, state, loaders, preemption, ckpt_dir, max_steps, flops_of,
     progress = Progress(fabric, max_steps, args.quiet, metrics=objective.make_metrics())
     monitor = Throughput(fabric, args.peak_tflops, flops_of)
     if args.compile:
-        warm_up(fabric, model, optimizer, next(iter(train_loader)), objective.step_loss)
+        warm_up(fabric, model, optimizer, batch=next(iter(train_loader)), loss_fn=objective.step_loss)
     fabric.barrier()
     monitor.start(state["step"])
     stale, preempted, stop = 0, False, False
@@ -188,7 +191,7 @@ def fit(fabric, args, state, loaders, preemption, ckpt_dir, max_steps, flops_of,
             preempted = preemption.agreed(fabric, check_now=step % args.log_every == 0)
             epoch_ends = state["batch_in_epoch"] == epoch_batches
             if epoch_ends or (args.val_every and step % args.val_every == 0) or step == max_steps:
-                val = validate(fabric, model, loaders["validation"], objective, step)
+                val = validate(fabric, model, loaders["validation"], objective=objective, step=step)
                 if objective.is_better(val[objective.best_metric], state["best_val"].get(objective.best_metric)):
                     state["best_val"], stale = val, 0  # the best model so far is kept as checkpoints/best
                     save_checkpoint(fabric, ckpt_dir, "best", {"model": model, "meta": state["meta"], "step": step})
@@ -219,7 +222,7 @@ def log_step(fabric, progress, monitor, step, lr, max_lr) -> None:
 
 def validate(fabric, model, loader, objective, step) -> dict:
     """Evaluates on the validation split and logs the result."""
-    val = evaluate(fabric, model, loader, objective)
+    val = evaluate(fabric, model, loader, objective=objective)
     fabric.log_dict({f"val/{name}": value for name, value in val.items() if name != "examples"}, step=step)
     fabric.print(f"step {step}: " + ", ".join(f"val {k} {v:.4f}" for k, v in val.items() if k != "examples"))
     return val
@@ -247,20 +250,19 @@ def evaluate(fabric, model, loader, objective) -> dict:
             "examples": int(rows.compute().item())}
 
 
-def finish(fabric, args, state, loaders, out_dir, data, objective, env, params) -> dict:
-    """Tests the best model, exports it and writes results.json."""
+def finish(fabric, args, state, loaders, out_dir, data, objective, report) -> dict:
+    """Tests the best model, exports it and writes results.json (with ``report``: what else the run knows)."""
     model, best = state["model"], out_dir / "checkpoints" / "best" / "state"
     fabric.load(best, {"model": model})
-    test = evaluate(fabric, model, loaders["test"], objective)
+    test = evaluate(fabric, model, loaders["test"], objective=objective)
     export_model(fabric, best, out_dir / "model",
                  write=lambda weights, folder: task.export(weights, model, data.tokenizer, folder))
     results = {
         **{f"val_{k}": v for k, v in state["best_val"].items()}, **{f"test_{k}": v for k, v in test.items()},
-        "train_examples": len(data.splits["train"]), **params, "steps": state["step"],
+        "train_examples": len(data.splits["train"]), "steps": state["step"],
         "epochs": state["epoch"] + (state["batch_in_epoch"] > 0), "world_size": fabric.world_size,
         "precision": fabric.strategy.precision.precision, "strategy": type(fabric.strategy).__name__,
-        **state["throughput"], "peak_memory_mb": peak_memory_mb(fabric.device), "environment": env,
-        "config": vars(args),
+        **state["throughput"], "peak_memory_mb": peak_memory_mb(fabric.device), **report, "config": vars(args),
     }
     finalize_loggers(fabric.loggers)  # flushes metrics.csv, which the plots read; ends the tracked runs
     if fabric.is_global_zero:
