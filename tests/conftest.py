@@ -32,11 +32,18 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+# what a launcher leaves in the environment of a process it started: a job started with them would think it was
+# launched from outside and wait for ranks that never come
+LAUNCH_VARIABLES = ("LOCAL_RANK", "RANK", "NODE_RANK", "GROUP_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                    "MASTER_PORT", "FABRIC_TEMPLATE_RUN_DIR")
+
+
 def subprocess_env() -> dict:
-    """Offline, and one thread per process: runs of several processes share two cores, and oversubscribed OpenMP
-    threads make them crawl."""
+    """Offline, one thread per process (runs of several processes share two cores, and oversubscribed OpenMP threads
+    make them crawl), and none of the launch variables an in-process test may have left behind."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
-    env.pop("FABRIC_TEMPLATE_RUN_DIR", None)
+    for name in LAUNCH_VARIABLES:
+        env.pop(name, None)
     return env
 
 
