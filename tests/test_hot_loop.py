@@ -6,6 +6,7 @@ import csv
 import inspect
 import os
 import pickle
+import signal
 import textwrap
 import traceback
 
@@ -74,10 +75,15 @@ def test_no_host_device_sync_between_log_steps(tmp_path, monkeypatch):
     preemption vote, validation or checkpointing is a GPU stall per step (torch.cuda.set_sync_debug_mode shows the
     same on a GPU)."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
     recorder = SyncRecorder()
-    with recorder:
-        train.setup(["--accelerator", "cpu", "--precision", "32-true", *SMALL_DEMO, "--max-steps", "6",
-                    "--log-every", "3", "--out-dir", str(tmp_path)])
+    try:
+        with recorder:
+            train.setup(["--accelerator", "cpu", "--precision", "32-true", *SMALL_DEMO, "--max-steps", "6",
+                        "--log-every", "3", "--out-dir", str(tmp_path)])
+    finally:  # the run installed its preemption handlers in this process: put pytest's back
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
     assert not recorder.found, "\n".join(recorder.found[:10])
 
 
