@@ -24,21 +24,20 @@ sys.path.insert(0, str(ROOT))
 from bench.run_bench import DEFAULT_DATASET, article, default_model, fmt, run_process  # noqa: E402
 from fabric_utils.args import build_parser  # noqa: E402
 
-# name -> train.py flags on top of the study's common ones; "default" is whatever fabric_utils/args.py says now
+# name -> train.py flags on top of the study's common ones; "default" is whatever fabric_utils/args.py says now, the
+# other names spell out every setting they study, so their meaning does not change with the defaults
 CONFIGS = {
     "article": article(batch_size="12", lr="5e-5"),  # the article: fp32, Adam, fixed lr 5e-5, batch 12, padded rows
     "default": [],
-    "hf-trainer-like": ["--lr", "5e-5", "--warmup", "0.1", "--scheduler", "linear", "--attention-dropout", "model"],
 }
 for lr in ("5e-5", "1e-4", "2e-4", "3e-4"):
-    CONFIGS[f"lr{lr}"] = ["--lr", lr]
     for warmup in ("0", "0.06", "0.1"):
         for scheduler in ("linear", "constant", "cosine"):
-            CONFIGS[f"lr{lr}-w{warmup}-{scheduler}"] = ["--lr", lr, "--warmup", warmup, "--scheduler", scheduler]
-        for batch in ("8", "16", "32"):
-            CONFIGS[f"lr{lr}-w{warmup}-b{batch}"] = ["--lr", lr, "--warmup", warmup, "--batch-size", batch]
-    CONFIGS[f"lr{lr}-attn-model"] = ["--lr", lr, "--attention-dropout", "model"]
-    CONFIGS[f"lr{lr}-hidden0"] = ["--lr", lr, "--hidden-dropout", "0"]
+            CONFIGS[f"lr{lr}-w{warmup}-{scheduler}"] = ["--lr", lr, "--warmup", warmup, "--scheduler", scheduler,
+                                                        "--batch-size", "16"]
+        for batch in ("8", "32"):
+            CONFIGS[f"lr{lr}-w{warmup}-b{batch}"] = ["--lr", lr, "--warmup", warmup, "--scheduler", "linear",
+                                                     "--batch-size", batch]
 
 
 def parse_args(argv=None):
@@ -57,6 +56,7 @@ def parse_args(argv=None):
     p.add_argument("--model", default=None, help="default: all-MiniLM-L6-v2 from requirements-bench.txt")
     p.add_argument("--extra", default="", help="flags added to every run (e.g. '--text-column sentence')")
     p.add_argument("--runs-dir", default=str(ROOT / "runs" / "study"))
+    p.add_argument("--summarise-only", action="store_true", help="run nothing: tabulate the runs already done")
     p.add_argument("--report", help="also write the tables and raw numbers to REPORT.md / REPORT.json")
     return p.parse_args(argv)
 
@@ -70,8 +70,9 @@ def flag_value(flags: list[str], flag: str, default):
     return flags[flags.index(flag) + 1] if flag in flags else default
 
 
-def run_one(name: str, seed: int, train_size: int, args) -> dict:
-    """One train.py run (skipped if its results.json exists), with its validation curve and training clock."""
+def run_one(name: str, seed: int, train_size: int, args) -> dict | None:
+    """One train.py run (skipped if its results.json exists), with its validation curve and training clock; None
+    for a run not done yet under --summarise-only."""
     flags = config_flags(name) + args.extra.split()
     batch = int(flag_value(flags, "--batch-size", build_parser().get_default("batch_size")))
     steps_per_epoch = -(-train_size // batch)
@@ -80,6 +81,8 @@ def run_one(name: str, seed: int, train_size: int, args) -> dict:
     out_dir = Path(args.runs_dir) / Path(args.dataset).name / setting / name.replace(" ", "_") / f"seed{seed}"
     if (out_dir / "results.json").exists():
         results = json.loads((out_dir / "results.json").read_text())
+    elif args.summarise_only:
+        return None
     else:
         cmd = [sys.executable, "train.py", "--dataset", args.dataset, "--model", args.model or default_model(),
                "--train-size", str(train_size), "--val-size", str(args.val_size), "--test-size", str(args.test_size),
@@ -166,7 +169,7 @@ def main(argv=None):
     for train_size in (int(n) for n in args.train_sizes.split(",")):
         setting = (f"{Path(args.dataset).name}, {train_size} train / {args.val_size} val / {args.test_size} test rows, "
                    f"length {args.max_length}, {args.epochs} epoch(s), seeds {args.seeds}")
-        by_config = {name: [run_one(name, seed, train_size, args) for seed in seeds] for name in names}
+        by_config = {name: [r for seed in seeds if (r := run_one(name, seed, train_size, args))] for name in names}
         text, raw[setting] = summarise(setting, by_config, args.target)
         print(text, flush=True)
         tables.append(text)
