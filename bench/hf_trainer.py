@@ -1,5 +1,6 @@
-"""The Hugging Face ``Trainer`` peer of train.py for the speed benchmark: same model, data subset, seed, learning
-rate, batch size, epochs, schedule, weight decay and clipping; dynamic padding and length grouping.
+"""The Hugging Face ``Trainer`` peer of train.py for the speed benchmark: same model (built by the template's own
+``task.build_model``, so with the same attention and hidden dropout), data subset, seed, learning rate, batch size, epochs,
+schedule, weight decay and clipping, all defaulting to train.py's defaults; dynamic padding and length grouping.
 
 Writes ``results.json`` with the keys run_bench.py reads from train.py's results (``mfu`` is not measured here).
 The training clock, as in train.py, covers the training loop plus the end-of-epoch validation and checkpoint.
@@ -18,6 +19,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the template's d
 
 from data.sources import load_splits  # noqa: E402
 from data.tokenize import tokenize_splits  # noqa: E402
+from fabric_utils.args import dropout  # noqa: E402
+from task import build_model as build_template_model  # noqa: E402
+from train import flag_parser  # noqa: E402
+
+TEMPLATE = flag_parser()
+# train.py's --scheduler names as transformers' get_scheduler names (one-cycle has no Trainer peer)
+HF_SCHEDULERS = {"linear": "linear", "cosine": "cosine", "constant": "constant_with_warmup"}
 
 
 def parse_args(argv=None):
@@ -28,30 +36,37 @@ def parse_args(argv=None):
     p.add_argument("--train-size", type=int)
     p.add_argument("--val-size", type=int)
     p.add_argument("--test-size", type=int)
-    p.add_argument("--max-length", type=int, default=512)
-    p.add_argument("--epochs", type=int, default=3)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--lr", type=float, default=5e-5)
-    p.add_argument("--weight-decay", type=float, default=0.01)
-    p.add_argument("--warmup", type=float, default=0.1, help="fraction of steps (rounded up, as train.py does)")
-    p.add_argument("--grad-clip", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=123)
+    for flag in ("max_length", "epochs", "batch_size"):
+        p.add_argument(f"--{flag.replace('_', '-')}", type=int, default=TEMPLATE.get_default(flag))
+    for flag in ("lr", "weight_decay", "grad_clip"):
+        p.add_argument(f"--{flag.replace('_', '-')}", type=float, default=TEMPLATE.get_default(flag))
+    p.add_argument("--warmup", type=float, default=TEMPLATE.get_default("warmup"),
+                   help="a fraction of all steps if below 1 (transformers rounds it up), else a step count")
+    p.add_argument("--scheduler", choices=tuple(HF_SCHEDULERS), default=TEMPLATE.get_default("scheduler"))
+    p.add_argument("--attention-dropout", type=dropout, default=TEMPLATE.get_default("attention_dropout"))
+    p.add_argument("--hidden-dropout", type=dropout, default=TEMPLATE.get_default("hidden_dropout"))
+    p.add_argument("--seed", type=int, default=TEMPLATE.get_default("seed"))
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--num-workers", type=int, default=0)
     return p.parse_args(argv)
 
 
+def build_model(model: str, label_names: list[str], attention_dropout, hidden_dropout):
+    """The template's own model building, so both rows train the same network (dropout included)."""
+    return build_template_model(model, label_names, "single_label", attention_dropout=attention_dropout,
+                                hidden_dropout=hidden_dropout)
+
+
 def main(argv=None):
     args = parse_args(argv)
-    from transformers import (AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding, Trainer,
-                              TrainingArguments, set_seed)
+    from transformers import AutoTokenizer, DataCollatorWithPadding, Trainer, TrainingArguments, set_seed
 
     set_seed(args.seed)
     data = load_splits(args.dataset, seed=args.seed, train_size=args.train_size, val_size=args.val_size,
                        test_size=args.test_size)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     tokenized = tokenize_splits(data.splits, tokenizer, "text", args.max_length)  # keeps a "length" column
-    model = AutoModelForSequenceClassification.from_pretrained(args.model, num_labels=len(data.label_names))
+    model = build_model(args.model, data.label_names, args.attention_dropout, args.hidden_dropout)
 
     def accuracy(pred):
         return {"accuracy": float((np.argmax(pred.predictions, axis=-1) == pred.label_ids).mean())}
@@ -60,7 +75,7 @@ def main(argv=None):
         output_dir=args.out_dir, use_cpu=not torch.cuda.is_available(), seed=args.seed, bf16=args.bf16,
         num_train_epochs=args.epochs, per_device_train_batch_size=args.batch_size,
         per_device_eval_batch_size=2 * args.batch_size, learning_rate=args.lr, weight_decay=args.weight_decay,
-        lr_scheduler_type="linear", warmup_steps=args.warmup, max_grad_norm=args.grad_clip,
+        lr_scheduler_type=HF_SCHEDULERS[args.scheduler], warmup_steps=args.warmup, max_grad_norm=args.grad_clip,
         train_sampling_strategy="group_by_length", length_column_name="length",
         dataloader_num_workers=args.num_workers, eval_strategy="epoch", save_strategy="epoch", save_total_limit=1,
         load_best_model_at_end=True, metric_for_best_model="accuracy", logging_strategy="no", report_to="none",

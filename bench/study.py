@@ -1,0 +1,182 @@
+"""Accuracy and time-to-accuracy study (issue 10): configurations x seeds x data settings through train.py, one
+process at a time, summarised as markdown tables.
+
+    python bench/study.py --configs article,default,lr2e-4 --seeds 1,2,3 --train-sizes 600
+    python bench/study.py --configs article,default --train-sizes 2000 --epochs 3 --max-length 512
+
+Each run validates about --vals-per-epoch times per epoch and logs every step, so its metrics.csv holds the
+training clock ("time", from the throughput monitor) at every step and the validation accuracy at every
+validation. The clock runs on through validations; a validation's cost is the excess of the step after it over
+the median step, and the study subtracts those costs, so "train s" and "time to target" are training time only.
+The target is the mean final validation accuracy of the --target configuration (the article's recipe) in the same
+data setting. Runs whose results.json exists are not run again: the study can be stopped and continued.
+"""
+
+import argparse
+import csv
+import json
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from bench.run_bench import DEFAULT_DATASET, article, default_model, fmt, run_process  # noqa: E402
+from train import flag_parser  # noqa: E402
+
+# name -> train.py flags on top of the study's common ones; "default" is whatever fabric_utils/args.py says now, the
+# other names spell out every setting they study, so their meaning does not change with the defaults
+CONFIGS = {
+    "article": article(batch_size="12", lr="5e-5"),  # the article: fp32, Adam, fixed lr 5e-5, batch 12, padded rows
+    "default": [],
+}
+for lr in ("5e-5", "1e-4", "2e-4", "3e-4"):
+    for warmup in ("0", "0.06", "0.1"):
+        for scheduler in ("linear", "constant", "cosine"):
+            CONFIGS[f"lr{lr}-w{warmup}-{scheduler}"] = ["--lr", lr, "--warmup", warmup, "--scheduler", scheduler,
+                                                        "--batch-size", "16"]
+        for batch in ("8", "32"):
+            CONFIGS[f"lr{lr}-w{warmup}-b{batch}"] = ["--lr", lr, "--warmup", warmup, "--scheduler", "linear",
+                                                     "--batch-size", batch]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--configs", required=True, help="comma list of names, or 'list' to print them; a name may be "
+                   "extended with '+FLAGS' in quotes, e.g. 'default+--lr 1e-4'")
+    p.add_argument("--seeds", default="1,2,3", help="comma list (the seed also draws the data subset)")
+    p.add_argument("--train-sizes", default="600", help="comma list of training-row counts")
+    p.add_argument("--val-size", type=int, default=120)
+    p.add_argument("--test-size", type=int, default=241)
+    p.add_argument("--max-length", type=int, default=256)
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--vals-per-epoch", type=int, default=4)
+    p.add_argument("--target", default="article", help="configuration whose mean final val acc is the target")
+    p.add_argument("--dataset", default=DEFAULT_DATASET)
+    p.add_argument("--model", default=None, help="default: all-MiniLM-L6-v2 from requirements-bench.txt")
+    p.add_argument("--extra", default="", help="flags added to every run (e.g. '--text-column sentence')")
+    p.add_argument("--runs-dir", default=str(ROOT / "runs" / "study"))
+    p.add_argument("--summarise-only", action="store_true", help="run nothing: tabulate the runs already done")
+    p.add_argument("--report", help="also write the tables and raw numbers to REPORT.md / REPORT.json")
+    return p.parse_args(argv)
+
+
+def config_flags(name: str) -> list[str]:
+    base, _, extra = name.partition("+")
+    return CONFIGS[base] + extra.split()
+
+
+def flag_value(flags: list[str], flag: str, default):
+    return flags[flags.index(flag) + 1] if flag in flags else default
+
+
+def run_one(name: str, seed: int, train_size: int, args) -> dict | None:
+    """One train.py run (skipped if its results.json exists), with its validation curve and training clock; None
+    for a run not done yet under --summarise-only."""
+    flags = config_flags(name) + args.extra.split()
+    batch = int(flag_value(flags, "--batch-size", flag_parser().get_default("batch_size")))
+    steps_per_epoch = -(-train_size // batch)
+    val_every = max(1, round(steps_per_epoch / args.vals_per_epoch))
+    setting = f"n{train_size}-L{args.max_length}-e{args.epochs}"
+    out_dir = Path(args.runs_dir) / Path(args.dataset).name / setting / name.replace(" ", "_") / f"seed{seed}"
+    if (out_dir / "results.json").exists():
+        results = json.loads((out_dir / "results.json").read_text())
+    elif args.summarise_only:
+        return None
+    else:
+        cmd = [sys.executable, "train.py", "--dataset", args.dataset, "--model", args.model or default_model(),
+               "--train-size", str(train_size), "--val-size", str(args.val_size), "--test-size", str(args.test_size),
+               "--max-length", str(args.max_length), "--epochs", str(args.epochs), "--seed", str(seed),
+               "--num-workers", "0", "--quiet", "--log-every", "1", "--val-every", str(val_every),
+               "--out-dir", str(out_dir), *flags]
+        results = run_process(cmd, out_dir)
+        if "failed" in results:
+            return results
+    metrics_csv = max(out_dir.glob("logs/version_*/metrics.csv"), key=lambda p: int(p.parent.name.split("_")[1]))
+    return results | validation_curve(metrics_csv)
+
+
+def validation_curve(metrics_csv: Path) -> dict:
+    """From metrics.csv: [(step, training seconds, val acc)] at each validation, and training seconds to the last
+    step, with the time spent in earlier validations taken out of the clock."""
+    clock, val_acc = {}, {}
+    with open(metrics_csv) as f:
+        for row in csv.DictReader(f):
+            step = int(row["step"])
+            if row.get("time"):
+                clock[step] = float(row["time"])
+            if row.get("val/acc"):
+                val_acc[step] = float(row["val/acc"])
+    steps = sorted(clock)
+    gaps = {b: clock[b] - clock[a] for a, b in zip(steps, steps[1:])}
+    typical = statistics.median(gap for step, gap in gaps.items() if step - 1 not in val_acc)
+    overhead, cost = {}, 0.0  # training seconds = clock - cost of the validations before that step
+    for step in steps:
+        if step - 1 in val_acc and step in gaps:
+            cost += max(gaps[step] - typical, 0.0)
+        overhead[step] = cost
+    curve = [(s, clock[s] - overhead[s], acc) for s, acc in sorted(val_acc.items())]
+    return {"curve": curve, "train_s": clock[steps[-1]] - overhead[steps[-1]], "final_val_acc": curve[-1][2]}
+
+
+def spread(values: list[float], spec: str) -> str:
+    """mean ± standard deviation (min–max)."""
+    if not values:
+        return "—"
+    if len(values) == 1:
+        return format(values[0], spec)
+    return (f"{format(statistics.mean(values), spec)} ± {format(statistics.stdev(values), spec)} "
+            f"({format(min(values), spec)}–{format(max(values), spec)})")
+
+
+def summarise(setting: str, by_config: dict[str, list[dict]], target_name: str) -> tuple[str, dict]:
+    ok = {name: [r for r in runs if "failed" not in r] for name, runs in by_config.items()}
+    target_runs = ok.get(target_name) or []
+    target = statistics.mean(r["final_val_acc"] for r in target_runs) if target_runs else None
+    reference_s = statistics.mean(r["train_s"] for r in target_runs) if target_runs else None
+    lines = [f"**{setting}**; target val acc {fmt(target, '.3f')} (mean final val acc of '{target_name}')", "",
+             "| configuration | runs | steps | test acc | final val acc | train s | time to target s (reached) "
+             "| train-time speed-up |", "|" + "---|" * 8]
+    rows = {}
+    for name, runs in ok.items():
+        failed = len(by_config[name]) - len(runs)
+        if not runs:
+            lines.append(f"| {name} | 0 ({failed} failed) |" + " — |" * 6)
+            continue
+        reach = [next((t for _, t, acc in r["curve"] if acc >= target), None) for r in runs] if target else []
+        reached = [t for t in reach if t is not None]
+        train_s = statistics.mean(r["train_s"] for r in runs)
+        rows[name] = {"test_acc": [r["test_acc"] for r in runs], "final_val_acc": [r["final_val_acc"] for r in runs],
+                      "train_s": [r["train_s"] for r in runs], "time_to_target_s": reach, "steps": runs[0]["steps"]}
+        lines.append(
+            f"| {name} | {len(runs)}{f' ({failed} failed)' if failed else ''} | {runs[0]['steps']} "
+            f"| {spread(rows[name]['test_acc'], '.3f')} | {spread(rows[name]['final_val_acc'], '.3f')} "
+            f"| {spread(rows[name]['train_s'], '.0f')} | {spread(reached, '.0f')} ({len(reached)}/{len(runs)}) "
+            f"| {fmt(reference_s / train_s if reference_s else None, '.2f')}x |")
+    return "\n".join(lines), {"target_val_acc": target, "rows": rows}
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.configs == "list":
+        print("\n".join(f"{k}: {' '.join(v)}" for k, v in CONFIGS.items()))
+        return
+    names = args.configs.split(",")
+    if args.target not in names:
+        names.append(args.target)
+    seeds = [int(s) for s in args.seeds.split(",")]
+    tables, raw = [], {}
+    for train_size in (int(n) for n in args.train_sizes.split(",")):
+        setting = (f"{Path(args.dataset).name}, {train_size} train / {args.val_size} val / {args.test_size} test rows, "
+                   f"length {args.max_length}, {args.epochs} epoch(s), seeds {args.seeds}")
+        by_config = {name: [r for seed in seeds if (r := run_one(name, seed, train_size, args))] for name in names}
+        text, raw[setting] = summarise(setting, by_config, args.target)
+        print(text, flush=True)
+        tables.append(text)
+    if args.report:
+        Path(args.report).with_suffix(".md").write_text("\n\n".join(tables) + "\n")
+        Path(args.report).with_suffix(".json").write_text(json.dumps({"args": vars(args), "results": raw}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
