@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import torch
-from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics import MetricCollection
 from torchmetrics.regression import MeanSquaredError
 
@@ -27,6 +26,8 @@ from fabric_utils.speed import Throughput, training_flops_fn  # noqa: E402
 
 
 class Regressor(torch.nn.Module):
+    _no_split_modules = ["Linear"]  # the units fsdp2 shards one by one (Hugging Face models list their layers here)
+
     def __init__(self):
         super().__init__()
         self.net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Dropout(0.1),
@@ -55,9 +56,7 @@ def main():
     launch(fabric)
     fabric.seed_everything(7)
     x = torch.randn(256, 8, generator=torch.Generator().manual_seed(0))
-    data = TensorDataset(x, x.sum(dim=1, keepdim=False) + 0.1 * torch.randn(256))
-    loader = fabric.setup_dataloaders(DataLoader(data, batch_size=16, shuffle=True,
-                                                 generator=torch.Generator().manual_seed(0)))
+    y = x.sum(dim=1) + 0.1 * torch.randn(256, generator=torch.Generator().manual_seed(1))
 
     model = Regressor()
     flops_of = training_flops_fn(model, lambda m, n: huber(m(torch.zeros(n, 8, device="meta")),
@@ -73,24 +72,27 @@ def main():
     monitor = Throughput(fabric, peak_tflops=1.0, flops_of=flops_of)
     monitor.start(state["step"])
     while state["step"] < args.steps:
-        loader.sampler.set_epoch(state["step"])  # one batch per step, a fresh shuffle each: resumable by step alone
-        x, y = next(iter(loader))
-        prediction = model(x)
-        loss = huber(prediction, y)
+        # each step's rows follow from the step alone (a fresh shuffle, this rank's share), so a resume needs no
+        # sampler state
+        rows = torch.randperm(256, generator=torch.Generator().manual_seed(state["step"]))
+        rows = rows[fabric.global_rank * 16:(fabric.global_rank + 1) * 16]
+        inputs, targets = fabric.to_device((x[rows], y[rows]))
+        prediction = model(inputs)
+        loss = huber(prediction, targets)
         fabric.backward(loss)
         fabric.clip_gradients(model, optimizer, max_norm=1.0, error_if_nonfinite=False)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        progress.update(loss, prediction, y)
-        monitor.count(torch.full((len(y),), 4, device=fabric.device))
+        progress.update(loss, prediction, targets)
+        monitor.count(torch.full((len(targets),), 4, device=fabric.device))
         state["step"] += 1
         logged = progress.log(state["step"], scheduler.get_last_lr()[0])
         monitor.log(state["step"])
         if state["step"] == args.stop_after:
             save_checkpoint(fabric, ckpt_dir, f"step-{state['step']:06d}", state)
             return
-    checksum = sum(float(p.double().sum()) for p in model.parameters())
+    checksum = sum(float(p.detach().double().sum()) for p in model.parameters())
     result = {"checksum": checksum, "loss": logged["train/loss"], "lr": scheduler.get_last_lr()[0],
               "world_size": fabric.world_size, **monitor.stop()}
     if fabric.is_global_zero:
