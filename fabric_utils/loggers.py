@@ -127,7 +127,8 @@ def plot_metrics(out_dir: Path) -> list[Path]:
         frames = [f[f["step"] < frame["step"].min()] for f in frames] + [frame]
     metrics = pd.concat(frames)
     written = []
-    for name in sorted({column.split("/", 1)[1] for column in metrics if column.startswith(("train/", "val/"))}):
+    names = {column.split("/", 1)[1] for column in metrics if column.startswith(("train/", "val/"))}
+    for name in ["loss", *sorted(names - {"loss"})]:
         fig, ax = plt.subplots(figsize=(6, 4))
         for split in ("train", "val"):
             column = f"{split}/{name}"

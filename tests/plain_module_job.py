@@ -91,12 +91,13 @@ def main():
         monitor.log(state["step"])
         if state["step"] == args.stop_after:
             save_checkpoint(fabric, ckpt_dir, f"step-{state['step']:06d}", state)
-            return
+            break
     checksum = sum(float(p.detach().double().sum()) for p in model.parameters())
     result = {"checksum": checksum, "loss": logged["train/loss"], "lr": scheduler.get_last_lr()[0],
               "world_size": fabric.world_size, **monitor.stop()}
     if fabric.is_global_zero:
         (args.out_dir / "result.json").write_text(json.dumps(result))
+    torch.distributed.destroy_process_group()  # gloo's threads end before the interpreter does
 
 
 if __name__ == "__main__":
