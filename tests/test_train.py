@@ -138,3 +138,17 @@ def test_batch_size_finder_pays_for_the_optimizer_state_then_drops_it():
     assert find_batch_size(fabric, model, optimizer, **PROBE) == 8
     assert all(torch.equal(before, after) for before, after in zip(weights, model.parameters()))
     assert not optimizer.state and optimizer.param_groups[0]["lr"] == 1.0
+
+
+def test_early_stop_ends_the_run_and_still_tests_the_best_model(tmp_path):
+    """--early-stop 2: two validations in a row without a better accuracy end training before --epochs; the best
+    checkpoint is still tested and exported."""
+    results = train([*SMALL_DEMO, "--epochs", "4", "--val-every", "2", "--early-stop", "2"], tmp_path)
+    full_steps = 4 * 25  # 400 rows in batches of 16, 4 epochs
+    assert results["steps"] < full_steps
+    metrics = [line.split(",") for line in (tmp_path / "logs" / "version_0" / "metrics.csv").read_text().splitlines()]
+    header = metrics[0]
+    accuracies = [float(row[header.index("val/acc")]) for row in metrics[1:] if row[header.index("val/acc")]]
+    assert accuracies[-1] <= max(accuracies[:-1]) and accuracies[-2] <= max(accuracies[:-2])  # two without a gain
+    assert results["val_acc"] == max(accuracies)  # the best model is the one tested and exported
+    assert (tmp_path / "model" / "config.json").exists()
