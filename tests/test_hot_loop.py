@@ -55,7 +55,7 @@ class SyncRecorder(TorchFunctionMode):
         stack = traceback.extract_stack()
         # a copy to a device is a sync unless non-blocking; libraries' own copies are device to device (no sync)
         blocking_copy = (func is torch.Tensor.to and _names_device(args[1:], kwargs) and not kwargs.get("non_blocking")
-                         and stack[-2].filename.startswith(str(REPO)))
+                         and _is_project_file(stack[-2].filename))
         if func in HOST_READS or blocking_copy:
             in_loop = any(f.filename == LOOP_FILE and LOOP_LINES[0] <= f.lineno <= LOOP_LINES[1] for f in stack)
             host_side = any((f.filename.rsplit("/", 1)[-1], f.name) in HOST_SIDE for f in stack)
@@ -64,6 +64,10 @@ class SyncRecorder(TorchFunctionMode):
                 self.found.append(f"{func.__qualname__} at " + " <- ".join(
                     f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno}" for f in reversed(stack[-6:-1])))
         return func(*args, **kwargs)
+
+
+def _is_project_file(path: str) -> bool:
+    return path.startswith(str(REPO)) and "site-packages" not in path  # a .venv may live inside the repository
 
 
 def _names_device(args, kwargs) -> bool:
