@@ -97,7 +97,7 @@ def main():
               "world_size": fabric.world_size, **monitor.stop()}
     if fabric.is_global_zero:
         (args.out_dir / "result.json").write_text(json.dumps(result))
-    torch.distributed.destroy_process_group()  # gloo's threads end before the interpreter does
+    fabric.barrier()  # no rank leaves while another still has a collective in flight
 
 
 if __name__ == "__main__":
