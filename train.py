@@ -191,19 +191,21 @@ def fit(fabric, args, state, loaders, preemption, ckpt_dir, max_steps, flops_of,
             preempted = preemption.agreed(fabric, check_now=step % args.log_every == 0)
             epoch_ends = state["batch_in_epoch"] == epoch_batches
             if epoch_ends or (args.val_every and step % args.val_every == 0) or step == max_steps:
-                val = validate(fabric, model, loaders["validation"], objective=objective, step=step)
-                if objective.is_better(val[objective.best_metric], state["best_val"].get(objective.best_metric)):
-                    state["best_val"], stale = val, 0  # the best model so far is kept as checkpoints/best
-                    save_checkpoint(fabric, ckpt_dir, "best", {"model": model, "meta": state["meta"], "step": step})
-                else:
-                    stale += 1
+                with monitor.paused():  # the throughput clock counts training time only
+                    val = validate(fabric, model, loaders["validation"], objective=objective, step=step)
+                    if objective.is_better(val[objective.best_metric], state["best_val"].get(objective.best_metric)):
+                        state["best_val"], stale = val, 0  # the best model so far is kept as checkpoints/best
+                        save_checkpoint(fabric, ckpt_dir, "best", {"model": model, "meta": state["meta"], "step": step})
+                    else:
+                        stale += 1
             stop = preempted or bool(args.early_stop and stale >= args.early_stop)
             if epoch_ends:
                 state["epoch"], state["batch_in_epoch"] = state["epoch"] + 1, 0
             if (args.save_every and step % args.save_every == 0) or epoch_ends or stop:
-                save_checkpoint(fabric, ckpt_dir, f"step-{step:06d}", state, args.keep_last)
-                for logger in fabric.loggers:
-                    logger.save()  # the metrics up to this checkpoint survive a kill
+                with monitor.paused():
+                    save_checkpoint(fabric, ckpt_dir, f"step-{step:06d}", state, args.keep_last)
+                    for logger in fabric.loggers:
+                        logger.save()  # the metrics up to this checkpoint survive a kill
             if stop or step >= max_steps:
                 break
     state["throughput"] = monitor.stop()

@@ -3,7 +3,8 @@
 schedule, weight decay and clipping, all defaulting to train.py's defaults; dynamic padding and length grouping.
 
 Writes ``results.json`` with the keys run_bench.py reads from train.py's results (``mfu`` is not measured here).
-The training clock, as in train.py, covers the training loop plus the end-of-epoch validation and checkpoint.
+The training clock is the sum of the epochs' own times (data loading and steps), so the validation and the checkpoint
+after each epoch are not in it, as bench/study.py takes them out of train.py's clock.
 """
 
 import argparse
@@ -57,6 +58,22 @@ def build_model(model: str, label_names: list[str], attention_dropout, hidden_dr
                                 hidden_dropout=hidden_dropout)
 
 
+def epoch_clock():
+    """A Trainer callback that adds up the time from each epoch's start to its end, before its evaluation."""
+    from transformers import TrainerCallback
+
+    class EpochClock(TrainerCallback):
+        seconds, _start = 0.0, None
+
+        def on_epoch_begin(self, args, state, control, **kwargs):
+            self._start = time.perf_counter()
+
+        def on_epoch_end(self, args, state, control, **kwargs):
+            self.seconds += time.perf_counter() - self._start
+
+    return EpochClock()
+
+
 def main(argv=None):
     args = parse_args(argv)
     from transformers import AutoTokenizer, DataCollatorWithPadding, Trainer, TrainingArguments, set_seed
@@ -80,18 +97,18 @@ def main(argv=None):
         dataloader_num_workers=args.num_workers, eval_strategy="epoch", save_strategy="epoch", save_total_limit=1,
         load_best_model_at_end=True, metric_for_best_model="accuracy", logging_strategy="no", report_to="none",
         disable_tqdm=True)
+    clock = epoch_clock()
     trainer = Trainer(model=model, args=training_args, train_dataset=tokenized["train"],
                       eval_dataset=tokenized["validation"], processing_class=tokenizer,
-                      data_collator=DataCollatorWithPadding(tokenizer), compute_metrics=accuracy)
-    start = time.perf_counter()
+                      data_collator=DataCollatorWithPadding(tokenizer), compute_metrics=accuracy, callbacks=[clock])
     trainer.train()
-    train_time = time.perf_counter() - start
+    train_time = clock.seconds
     val = trainer.evaluate()
     test = trainer.evaluate(tokenized["test"], metric_key_prefix="test")
     results = {
         "val_acc": val["eval_accuracy"], "test_acc": test["test_accuracy"], "test_examples": len(tokenized["test"]),
         "train_examples": len(tokenized["train"]), "precision": "bf16-mixed" if args.bf16 else "32-true",
-        "train_time_s": train_time,
+        "train_time_s": train_time, "steps": trainer.state.global_step,
         "train_samples_per_s": args.epochs * len(tokenized["train"]) / train_time,
         "train_tokens_per_s": args.epochs * sum(tokenized["train"]["length"]) / train_time,
         "mfu": None, "config": vars(args),

@@ -5,9 +5,8 @@ process at a time, summarised as markdown tables.
     python bench/study.py --configs article,default --train-sizes 2000 --epochs 3 --max-length 512
 
 Each run validates about --vals-per-epoch times per epoch and logs every step, so its metrics.csv holds the
-training clock ("time", from the throughput monitor) at every step and the validation accuracy at every
-validation. The clock runs on through validations; a validation's cost is the excess of the step after it over
-the median step, and the study subtracts those costs, so "train s" and "time to target" are training time only.
+training clock ("time", from the throughput monitor, which stops during validations and checkpoints) at every step
+and the validation accuracy at every validation: "train s" and "time to target" are training time only.
 The target is the mean final validation accuracy of the --target configuration (the article's recipe) in the same
 data setting. Runs whose results.json exists are not run again: the study can be stopped and continued.
 """
@@ -21,7 +20,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from bench.run_bench import DEFAULT_DATASET, article, default_model, fmt, run_process  # noqa: E402
+from bench.run_bench import DEFAULT_DATASET, HF_TRAINER, article, default_model, fmt, run_process  # noqa: E402
+from fabric_utils.launcher import auto_precision  # noqa: E402
 from train import flag_parser  # noqa: E402
 
 # name -> train.py flags on top of the study's common ones; "default" is whatever fabric_utils/args.py says now, the
@@ -29,6 +29,7 @@ from train import flag_parser  # noqa: E402
 CONFIGS = {
     "article": article(batch_size="12", lr="5e-5"),  # the article: fp32, Adam, fixed lr 5e-5, batch 12, padded rows
     "default": [],
+    "hf-trainer": HF_TRAINER,  # bench/hf_trainer.py with train.py's defaults (same model settings, same precision)
 }
 for lr in ("5e-5", "1e-4", "2e-4", "3e-4"):
     for warmup in ("0", "0.06", "0.1"):
@@ -63,7 +64,7 @@ def parse_args(argv=None):
 
 def config_flags(name: str) -> list[str]:
     base, _, extra = name.partition("+")
-    return CONFIGS[base] + extra.split()
+    return (CONFIGS[base] if CONFIGS[base] != HF_TRAINER else []) + extra.split()
 
 
 def flag_value(flags: list[str], flag: str, default):
@@ -71,34 +72,43 @@ def flag_value(flags: list[str], flag: str, default):
 
 
 def run_one(name: str, seed: int, train_size: int, args) -> dict | None:
-    """One train.py run (skipped if its results.json exists), with its validation curve and training clock; None
-    for a run not done yet under --summarise-only."""
-    flags = config_flags(name) + args.extra.split()
+    """One run (skipped if its results.json exists), with its validation curve and training clock; None for a run
+    not done yet under --summarise-only."""
+    flags = config_flags(name)
     batch = int(flag_value(flags, "--batch-size", flag_parser().get_default("batch_size")))
     steps_per_epoch = -(-train_size // batch)
     val_every = max(1, round(steps_per_epoch / args.vals_per_epoch))
     setting = f"n{train_size}-L{args.max_length}-e{args.epochs}"
     out_dir = Path(args.runs_dir) / Path(args.dataset).name / setting / name.replace(" ", "_") / f"seed{seed}"
+    hf_trainer = CONFIGS[name.partition("+")[0]] == HF_TRAINER
     if (out_dir / "results.json").exists():
         results = json.loads((out_dir / "results.json").read_text())
     elif args.summarise_only:
         return None
     else:
-        cmd = [sys.executable, "train.py", "--dataset", args.dataset, "--model", args.model or default_model(),
-               "--train-size", str(train_size), "--val-size", str(args.val_size), "--test-size", str(args.test_size),
-               "--max-length", str(args.max_length), "--epochs", str(args.epochs), "--seed", str(seed),
-               "--num-workers", "0", "--quiet", "--log-every", "1", "--val-every", str(val_every),
-               "--out-dir", str(out_dir), *flags]
+        common = ["--dataset", args.dataset, "--model", args.model or default_model(), "--train-size", str(train_size),
+                  "--val-size", str(args.val_size), "--test-size", str(args.test_size),
+                  "--max-length", str(args.max_length), "--epochs", str(args.epochs), "--seed", str(seed),
+                  "--num-workers", "0", "--out-dir", str(out_dir)]
+        if hf_trainer:  # validates once per epoch only; the precision train.py's --precision auto picks here
+            cmd = [sys.executable, "bench/hf_trainer.py", *common, *flags]
+            cmd += ["--bf16"] if auto_precision("auto") == "bf16-mixed" else []
+        else:
+            cmd = [sys.executable, "train.py", *common, "--quiet", "--log-every", "1", "--val-every", str(val_every),
+                   *flags, *args.extra.split()]
         results = run_process(cmd, out_dir)
         if "failed" in results:
             return results
+    if hf_trainer:
+        return results | {"curve": [], "train_s": results["train_time_s"], "final_val_acc": results["val_acc"]}
     metrics_csv = max(out_dir.glob("logs/version_*/metrics.csv"), key=lambda p: int(p.parent.name.split("_")[1]))
     return results | validation_curve(metrics_csv)
 
 
 def validation_curve(metrics_csv: Path) -> dict:
     """From metrics.csv: [(step, training seconds, val acc)] at each validation, and training seconds to the last
-    step, with the time spent in earlier validations taken out of the clock."""
+    step. The logged "time" is the throughput monitor's training clock, which leaves validations and checkpoints
+    out."""
     clock, val_acc = {}, {}
     with open(metrics_csv) as f:
         for row in csv.DictReader(f):
@@ -107,16 +117,8 @@ def validation_curve(metrics_csv: Path) -> dict:
                 clock[step] = float(row["time"])
             if row.get("val/acc"):
                 val_acc[step] = float(row["val/acc"])
-    steps = sorted(clock)
-    gaps = {b: clock[b] - clock[a] for a, b in zip(steps, steps[1:])}
-    typical = statistics.median(gap for step, gap in gaps.items() if step - 1 not in val_acc)
-    overhead, cost = {}, 0.0  # training seconds = clock - cost of the validations before that step
-    for step in steps:
-        if step - 1 in val_acc and step in gaps:
-            cost += max(gaps[step] - typical, 0.0)
-        overhead[step] = cost
-    curve = [(s, clock[s] - overhead[s], acc) for s, acc in sorted(val_acc.items())]
-    return {"curve": curve, "train_s": clock[steps[-1]] - overhead[steps[-1]], "final_val_acc": curve[-1][2]}
+    curve = [(step, clock[step], acc) for step, acc in sorted(val_acc.items())]
+    return {"curve": curve, "train_s": clock[max(clock)], "final_val_acc": curve[-1][2]}
 
 
 def spread(values: list[float], spec: str) -> str:
@@ -169,7 +171,11 @@ def main(argv=None):
     for train_size in (int(n) for n in args.train_sizes.split(",")):
         setting = (f"{Path(args.dataset).name}, {train_size} train / {args.val_size} val / {args.test_size} test rows, "
                    f"length {args.max_length}, {args.epochs} epoch(s), seeds {args.seeds}")
-        by_config = {name: [r for seed in seeds if (r := run_one(name, seed, train_size, args))] for name in names}
+        by_config = {name: [] for name in names}
+        for seed in seeds:  # seed by seed, so a change in the machine's speed touches every configuration alike
+            for name in names:
+                if result := run_one(name, seed, train_size, args):
+                    by_config[name].append(result)
         text, raw[setting] = summarise(setting, by_config, args.target)
         print(text, flush=True)
         tables.append(text)

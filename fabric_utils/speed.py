@@ -1,5 +1,6 @@
 """Speed helpers the loop calls: backend switches, worker counts, FLOP counting for MFU, compile warm-up."""
 
+import contextlib
 import copy
 import itertools
 import resource
@@ -64,7 +65,9 @@ def meta_copy(module: torch.nn.Module) -> torch.nn.Module:
 class Throughput:
     """Rows, non-padding tokens and FLOPs of this process, counted on the device every micro-batch and read back
     only at log steps; Fabric's ``ThroughputMonitor`` turns them into rates and MFU in the logs, and ``stop()`` into
-    the whole loop's figures for results.json. A resumed run counts from its resume."""
+    the whole loop's figures for results.json. The clock is training time: what runs under ``paused()``
+    (validation, checkpoints) is left out, so rates, MFU and the logged ``time`` compare across validation settings.
+    A resumed run counts from its resume."""
 
     def __init__(self, fabric, peak_tflops: float | None, flops_of: Callable[[int, int, int], float]):
         self.fabric, self.flops_of = fabric, flops_of
@@ -76,7 +79,19 @@ class Throughput:
 
     def start(self, step: int) -> None:
         reset_peak_memory(self.fabric.device)  # not the batch-size finder's or the compile warm-up's peak
-        self.start_time, self.start_step = time.perf_counter(), step
+        self.start_time, self.start_step, self.paused_s = time.perf_counter(), step, 0.0
+
+    @contextlib.contextmanager
+    def paused(self):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.paused_s += time.perf_counter() - start
+
+    def seconds(self) -> float:
+        """Training seconds since ``start``."""
+        return time.perf_counter() - self.start_time - self.paused_s
 
     def count(self, lengths: torch.Tensor) -> None:
         self.counts += torch.stack((torch.ones_like(lengths).sum(), lengths.sum(), (lengths * lengths).sum()))
@@ -84,14 +99,14 @@ class Throughput:
     def log(self, step: int) -> dict:
         rows, tokens, tokens_sq = self.counts.tolist()  # sync: log steps only
         flops = self.flops_of(rows, tokens, tokens_sq)
-        self.monitor.update(time=time.perf_counter() - self.start_time, batches=step - self.start_step, samples=rows,
+        self.monitor.update(time=self.seconds(), batches=step - self.start_step, samples=rows,
                             lengths=tokens, flops=flops - self.flops_logged)  # it takes FLOPs since its last update
         self.flops_logged = flops
         return self.monitor.compute_and_log(step=step)
 
     def stop(self) -> dict:
         """The whole loop over all ranks: seconds, rows/s and tokens/s, and MFU (None where the peak is unknown)."""
-        seconds = time.perf_counter() - self.start_time
+        seconds = self.seconds()
         rows, tokens, tokens_sq = self.counts.tolist()
         flops = self.flops_of(rows, tokens, tokens_sq)
         totals = self.fabric.all_reduce(torch.tensor([rows, tokens, flops], dtype=torch.float64,

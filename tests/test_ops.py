@@ -1,8 +1,10 @@
-"""Operations: torch.compile under a strategy, the batch-size finder, cluster scripts, worker counts, shared caches."""
+"""Operations: torch.compile under a strategy, the batch-size finder, cluster scripts, worker counts, shared caches,
+the training clock."""
 
 import os
 import re
 import subprocess
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -15,7 +17,7 @@ from transformers import PreTrainedTokenizerFast
 
 from conftest import REPO, build_fabric_from_flags
 from data.demo import LABELS, prepare_demo
-from fabric_utils.speed import compile_model, default_num_workers
+from fabric_utils.speed import Throughput, compile_model, default_num_workers
 from task import build_model, load_tokenizer
 
 DEMO_ROOT = Path.home() / ".cache" / "fabric-template" / "demo"  # where train.py --demo writes it
@@ -40,6 +42,22 @@ def test_compile_is_applied_around_the_ddp_wrapper(monkeypatch):
     assert "forward" not in vars(module.module)  # ... not one whose forward was compiled inside the wrapper
     assert compiled._compile_kwargs == {"mode": "default", "dynamic": True}
     assert module.module.config.num_labels == len(LABELS)  # what train.py reads for FLOPs and the export
+
+
+def test_the_training_clock_leaves_out_validations_and_checkpoints():
+    """train.py runs validation and checkpoints under ``paused()``: rates, MFU and the study's time to accuracy are
+    training time, whatever the validation settings."""
+    fabric = build_fabric_from_flags()
+    monitor = Throughput(fabric, peak_tflops=None, flops_of=lambda rows, tokens, tokens_sq: 0.0)
+    monitor.start(step=0)
+    time.sleep(0.2)
+    with monitor.paused():
+        time.sleep(1.0)
+    monitor.count(torch.tensor([5, 7]))
+    logged = monitor.log(step=1)
+    result = monitor.stop()
+    assert 0.2 <= logged["time"] < 0.7 and 0.2 <= result["train_time_s"] < 0.7
+    assert result["train_samples_per_s"] == pytest.approx(2 / result["train_time_s"])
 
 
 def test_loader_workers_count_the_cpus_this_process_may_use(monkeypatch):
