@@ -1,10 +1,12 @@
-"""Where a training step's time goes: torch.profiler over a few steps of the default configuration, with real IMDB
-rows, so the MFU in bench/RESULTS.md can be explained op by op.
+"""Where a training step's time goes: torch.profiler over a few steps of the default configuration (the template's
+AdamW, and the precision --precision auto picks on this machine), with real IMDB rows, so the MFU in
+bench/RESULTS.md can be explained op by op.
 
     python bench/profile_step.py --length 304 --batch-size 16 --steps 4 [--attention-dropout 0.1]
 """
 
 import argparse
+import sys
 from pathlib import Path
 
 import torch
@@ -12,6 +14,9 @@ from torch.profiler import ProfilerActivity, profile
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from fabric_utils.launcher import auto_precision  # noqa: E402
+from fabric_utils.optim import build_optimizer  # noqa: E402
 
 
 def main():
@@ -34,10 +39,14 @@ def main():
     model = AutoModelForSequenceClassification.from_pretrained(args.model, num_labels=2,
                                                                attention_probs_dropout_prob=args.attention_dropout)
     model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+    optimizer = build_optimizer(model, "adamw", lr=1e-4, weight_decay=0.01, device=torch.device("cpu"))
+    bf16 = auto_precision("auto") == "bf16-mixed"
+    print(f"precision: {'bf16-mixed' if bf16 else '32-true'}")
 
     def step():
-        model(**batch).loss.backward()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss = model(**batch).loss
+        loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 

@@ -99,8 +99,9 @@ def run_one(name: str, seed: int, train_size: int, args) -> dict | None:
         results = run_process(cmd, out_dir)
         if "failed" in results:
             return results
-    if hf_trainer:
-        return results | {"curve": [], "train_s": results["train_time_s"], "final_val_acc": results["val_acc"]}
+    if hf_trainer:  # one validation, at the end of each epoch: the curve's last point only
+        curve = [(results["steps"], results["train_time_s"], results["val_acc"])]
+        return results | {"curve": curve, "train_s": results["train_time_s"], "final_val_acc": results["val_acc"]}
     metrics_csv = max(out_dir.glob("logs/version_*/metrics.csv"), key=lambda p: int(p.parent.name.split("_")[1]))
     return results | validation_curve(metrics_csv)
 
