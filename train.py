@@ -26,7 +26,7 @@ from fabric_utils.checkpoint import find_resume_checkpoint, load_checkpoint, sav
 from fabric_utils.errors import UserError, exit_on_user_error
 from fabric_utils.export import export_model
 from fabric_utils.launcher import (build_fabric, clips_in_loop, launch, strategy_checkpoints_blocks,
-                                   offloads_optimizer, warn_if_updates_vanish)
+                                   offloads_optimizer, scales_loss, warn_if_updates_vanish)
 from fabric_utils.loggers import finalize_loggers, make_loggers, plot_metrics, save_tracker_ids, saved_tracker_ids
 from fabric_utils.optim import build_optimizer, build_scheduler, count_parameters, count_warmup_steps
 from fabric_utils.preemption import Preemption
@@ -95,7 +95,8 @@ def main(fabric, args, out_dir: Path) -> dict:
     model, optimizer, torch_optimizer = setup_model_and_optimizer(                              # Fabric step 3
         fabric, model, lambda module: build_optimizer(module, name=args.optimizer, lr=args.lr,
                                                       weight_decay=args.weight_decay, device=fabric.device,
-                                                      offload=offloads_optimizer(fabric)))
+                                                      offload=offloads_optimizer(fabric),
+                                                      loss_scaling=scales_loss(fabric)))
     if args.batch_size == "auto":  # probed on the model and optimizer as set up: wrapped, sharded, with state
         args.batch_size = find_batch_size(fabric, model, optimizer, make_batch=dummy_batch,
                                           loss_fn=objective.step_loss)

@@ -203,6 +203,12 @@ class _DeepSpeedAccumulationBoundary(_BackwardSyncControl):
         yield
 
 
+def scales_loss(fabric: Fabric) -> bool:
+    """16-mixed (outside DeepSpeed, which scales inside its engine): Fabric's GradScaler unscales the gradients
+    before clipping them, which optimizers with fused kernels refuse, as they unscale inside their own step."""
+    return getattr(fabric.strategy.precision, "scaler", None) is not None
+
+
 def offloads_optimizer(fabric: Fabric) -> bool:
     """ZeRO-Offload steps the optimizer on the CPU (or NVMe), where DeepSpeed accepts only its own CPU optimizers."""
     if not isinstance(fabric.strategy, DeepSpeedStrategy):

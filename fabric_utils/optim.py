@@ -6,10 +6,11 @@ import torch
 
 
 def build_optimizer(model, name: str, lr: float, weight_decay: float, device: torch.device,
-                    offload: bool = False) -> torch.optim.Optimizer:
+                    offload: bool = False, loss_scaling: bool = False) -> torch.optim.Optimizer:
     """AdamW (decoupled weight decay, none on biases and norms) with fused kernels on CUDA and CPU (on a CPU, 5-9x
     faster than the multi-tensor kernel: bench/RESULTS.md) and multi-tensor (foreach) kernels elsewhere; ``adam``
-    is the article's plain Adam, with torch's default kernel. With ``offload`` (DeepSpeed's ZeRO-Offload)
+    is the article's plain Adam, with torch's default kernel. Under ``loss_scaling`` (16-mixed) AdamW keeps the
+    foreach kernel: Fabric's loss scaler unscales before clipping, which fused kernels refuse. With ``offload`` (DeepSpeed's ZeRO-Offload)
     the step runs on the CPU copy of the weights, where DeepSpeed accepts only its own vectorized CPU Adam: the same
     update, the same groups."""
     adamw = name == "adamw"
@@ -26,7 +27,7 @@ def build_optimizer(model, name: str, lr: float, weight_decay: float, device: to
         return DeepSpeedCPUAdam(params, lr=lr, adamw_mode=adamw)
     if not adamw:
         return torch.optim.Adam(params, lr=lr)
-    kernel = {"fused": True} if device.type in ("cuda", "cpu") else {"foreach": True}
+    kernel = {"fused": True} if device.type in ("cuda", "cpu") and not loss_scaling else {"foreach": True}
     return torch.optim.AdamW(params, lr=lr, **kernel)
 
 
