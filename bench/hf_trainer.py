@@ -4,7 +4,7 @@ schedule, weight decay and clipping, all defaulting to train.py's defaults; dyna
 
 Writes ``results.json`` with the keys run_bench.py reads from train.py's results (``mfu`` is not measured here).
 The training clock is the sum of the epochs' own times (data loading and steps), so the validation and the checkpoint
-after each epoch are not in it, as bench/study.py takes them out of train.py's clock.
+after each epoch are not in it, as train.py's throughput clock leaves out its validations and checkpoints.
 """
 
 import argparse

@@ -62,9 +62,14 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def runs_hf_trainer(name: str) -> bool:
+    return CONFIGS[name.partition("+")[0]] == HF_TRAINER
+
+
 def config_flags(name: str) -> list[str]:
+    """The configuration's flags, for train.py (or, for the Trainer row, the '+FLAGS' for bench/hf_trainer.py)."""
     base, _, extra = name.partition("+")
-    return (CONFIGS[base] if CONFIGS[base] != HF_TRAINER else []) + extra.split()
+    return ([] if runs_hf_trainer(name) else CONFIGS[base]) + extra.split()
 
 
 def flag_value(flags: list[str], flag: str, default):
@@ -80,7 +85,7 @@ def run_one(name: str, seed: int, train_size: int, args) -> dict | None:
     val_every = max(1, round(steps_per_epoch / args.vals_per_epoch))
     setting = f"n{train_size}-L{args.max_length}-e{args.epochs}"
     out_dir = Path(args.runs_dir) / Path(args.dataset).name / setting / name.replace(" ", "_") / f"seed{seed}"
-    hf_trainer = CONFIGS[name.partition("+")[0]] == HF_TRAINER
+    hf_trainer = runs_hf_trainer(name)
     if (out_dir / "results.json").exists():
         results = json.loads((out_dir / "results.json").read_text())
     elif args.summarise_only:

@@ -10,9 +10,9 @@ def build_optimizer(model, name: str, lr: float, weight_decay: float, device: to
     """AdamW (decoupled weight decay, none on biases and norms) with fused kernels on CUDA and CPU (on a CPU, 5-9x
     faster than the multi-tensor kernel: bench/RESULTS.md) and multi-tensor (foreach) kernels elsewhere; ``adam``
     is the article's plain Adam, with torch's default kernel. Under ``loss_scaling`` (16-mixed) AdamW keeps the
-    foreach kernel: Fabric's loss scaler unscales before clipping, which fused kernels refuse. With ``offload`` (DeepSpeed's ZeRO-Offload)
-    the step runs on the CPU copy of the weights, where DeepSpeed accepts only its own vectorized CPU Adam: the same
-    update, the same groups."""
+    foreach kernel: Fabric's loss scaler unscales before clipping, which fused kernels refuse. With ``offload``
+    (DeepSpeed's ZeRO-Offload) the step runs on the CPU copy of the weights, where DeepSpeed accepts only its own
+    vectorized CPU Adam: the same update, the same groups."""
     adamw = name == "adamw"
     if adamw:
         decay, no_decay = [], []
