@@ -7,7 +7,7 @@ import torch
 
 def build_optimizer(model, name: str, lr: float, weight_decay: float, device: torch.device,
                     offload: bool = False, loss_scaling: bool = False) -> torch.optim.Optimizer:
-    """AdamW (decoupled weight decay, none on biases and norms) with fused kernels on CUDA and CPU (on a CPU, 5-9x
+    """AdamW (decoupled weight decay, none on biases and norms) with fused kernels on CUDA and CPU (on a CPU, 10x
     faster than the multi-tensor kernel: bench/RESULTS.md) and multi-tensor (foreach) kernels elsewhere; ``adam``
     is the article's plain Adam, with torch's default kernel. Under ``loss_scaling`` (16-mixed) AdamW keeps the
     foreach kernel: Fabric's loss scaler unscales before clipping, which fused kernels refuse. With ``offload``
