@@ -25,7 +25,8 @@ def test_schedules_match_transformers(name, theirs, warmup):
 
 
 def test_adamw_is_fused_on_a_cpu_and_updates_as_the_reference_does():
-    """The fused kernel is about 10x faster than foreach on a CPU (bench/optimizer_step.py); it must make the same update."""
+    """The fused kernel is about 10x faster than foreach on a CPU (bench/optimizer_step.py); it must make the same
+    update."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 2))
     reference_model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 2))
