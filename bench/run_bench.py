@@ -58,6 +58,17 @@ def default_model() -> str:
 
 
 DEFAULT_DATASET = str(ROOT.parent / "shared" / "data" / "imdb")
+BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16", "amx_tile")  # what decides whether bf16 is native or emulated
+
+
+def machine() -> dict:
+    """What every result needs beside it: CPUs differ here, and --precision auto decides differently on each."""
+    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    model = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")), "")
+    flags = set(cpuinfo.split())
+    return {"cpu": model or "unknown", "cpus": os.cpu_count(), "bf16_flags": [f for f in BF16_CPU_FLAGS if f in flags],
+            "auto_precision": auto_precision("auto"), "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "load_average": os.getloadavg()}
 
 
 def parse_args(argv=None):
@@ -145,7 +156,7 @@ def table(results: list[tuple[str, dict]]) -> str:
 def main(argv=None):
     args = parse_args(argv)
     chosen = [ROWS[int(i)] for i in args.rows.split(",")] if args.rows else ROWS
-    print(f"load average at start: {os.getloadavg()}; torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(f"machine: {machine()}")
     peaks = {"32-true": matmul_peak_tflops(torch.float32), "bf16-mixed": matmul_peak_tflops(torch.bfloat16)}
     print("matmul peak (2048x2048, best of 5): " + ", ".join(f"{k} {v * 1e3:.1f} GFLOP/s" for k, v in peaks.items()))
     results = []
@@ -159,7 +170,7 @@ def main(argv=None):
     print(f"load average at end: {os.getloadavg()}")
     Path(args.table).write_text(text + "\n")
     Path(args.table).with_suffix(".json").write_text(json.dumps(
-        {"args": vars(args), "peaks_tflops": peaks, "rows": [{"configuration": n, **r} for n, r in results]},
+        {"args": vars(args), "machine": machine(), "peaks_tflops": peaks, "rows": [{"configuration": n, **r} for n, r in results]},
         indent=1, default=str))
 
 

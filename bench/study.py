@@ -20,7 +20,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from bench.run_bench import DEFAULT_DATASET, HF_TRAINER, article, default_model, fmt, run_process  # noqa: E402
+from bench.run_bench import DEFAULT_DATASET, HF_TRAINER, article, default_model, fmt, machine, run_process  # noqa: E402
 from fabric_utils.launcher import auto_precision  # noqa: E402
 from train import flag_parser  # noqa: E402
 
@@ -173,6 +173,7 @@ def main(argv=None):
     if args.target not in names:
         names.append(args.target)
     seeds = [int(s) for s in args.seeds.split(",")]
+    print(f"machine: {machine()}", flush=True)
     tables, raw = [], {}
     for train_size in (int(n) for n in args.train_sizes.split(",")):
         setting = (f"{Path(args.dataset).name}, {train_size} train / {args.val_size} val / {args.test_size} test rows, "
@@ -187,7 +188,7 @@ def main(argv=None):
         tables.append(text)
     if args.report:
         Path(args.report).with_suffix(".md").write_text("\n\n".join(tables) + "\n")
-        Path(args.report).with_suffix(".json").write_text(json.dumps({"args": vars(args), "results": raw}, indent=1))
+        Path(args.report).with_suffix(".json").write_text(json.dumps({"args": vars(args), "machine": machine(), "results": raw}, indent=1))
 
 
 if __name__ == "__main__":
