@@ -239,12 +239,14 @@ def evaluate(fabric, model, loader, objective) -> dict:
     metrics = objective.make_metrics().to(fabric.device)
     remaining = loader.batch_sampler.num_real  # the rest repeat a row so all ranks run the same number of batches
     for batch in loader:
-        real = min(len(batch["labels"]), remaining)
+        # every rank runs every forward, even on a batch of repeated rows only: under fsdp, fsdp2 and ZeRO-3 each
+        # forward is a collective (the all-gather of each block), and a rank that skipped one would hang the others
+        logits = task.forward(model, batch)
+        real = min(len(logits), remaining)
         remaining -= real
         if real == 0:
             continue
-        batch = {name: value[:real] for name, value in batch.items()}
-        logits = task.forward(model, batch)
+        batch, logits = {name: value[:real] for name, value in batch.items()}, logits[:real]
         mean_loss.update(objective.loss(logits, batch, reduction="none"))
         metrics.update(logits, batch["labels"])
         rows.update(real)

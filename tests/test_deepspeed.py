@@ -89,14 +89,17 @@ def test_compile_warm_up_leaves_the_first_step_alone(strategy):
 @pytest.mark.parametrize("strategy", ["deepspeed_stage_2_offload", "deepspeed_stage_3_offload"])
 def test_offload_trains_saves_and_loads_on_two_cpu_processes(tmp_path, strategy):
     """Each run saves sharded checkpoints and loads the best one back for the test split; stage 2 also accumulates
-    and resumes."""
-    flags = [*TWO_CPUS, "--strategy", strategy, "--precision", "bf16-mixed", *SMALL_DEMO, "--save-every", "3",
-             "--out-dir", str(tmp_path)]
+    and resumes. Evaluating 101 and 201 rows in batches of 50 leaves rank 1 a last batch of its repeated row only,
+    whose forward it must still run: under ZeRO-3 every forward gathers the weights from all ranks."""
+    flags = [*TWO_CPUS, "--strategy", strategy, "--precision", "bf16-mixed", *SMALL_DEMO, "--eval-batch-size", "50",
+             "--save-every", "3", "--out-dir", str(tmp_path)]
     if "stage_2" in strategy:
         flags += ["--grad-accum", "2"]
     run([sys.executable, "train.py", *flags, "--max-steps", "3"], deepspeed_cpu=True)
     assert (tmp_path / "checkpoints" / "step-000003" / "state").is_dir()  # sharded: a folder, not one file
     assert (tmp_path / "model" / "model.safetensors").exists()  # consolidated from the shards
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert (results["val_examples"], results["test_examples"]) == (101, 201)  # every row once, none twice
     if "stage_3" in strategy:
         return
     resumed = run([sys.executable, "train.py", *flags, "--max-steps", "5", "--resume", "auto"], deepspeed_cpu=True)

@@ -202,19 +202,20 @@ import datasets, torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 model_dir, data_file = sys.argv[1], sys.argv[2]
+n = int(sys.argv[3]) if len(sys.argv) > 3 else 64  # the run's --test-size
 model = AutoModelForSequenceClassification.from_pretrained(model_dir).eval()
 tokenizer = AutoTokenizer.from_pretrained(model_dir)
 test = datasets.load_dataset("parquet", data_files={"test": data_file})["test"]
-rows = test.shuffle(seed=123).select(range(64))  # the run's --test-size 64 subset (seeded as data/sources.py does)
+rows = test.shuffle(seed=123).select(range(n))  # the run's --test-size subset (seeded as data/sources.py does)
 label2id = {v: k for k, v in model.config.id2label.items()}
 correct = 0
 with torch.no_grad():
-    for s in range(0, 64, 16):
+    for s in range(0, n, 16):
         batch = rows[s:s + 16]
         enc = tokenizer(batch["text"], truncation=True, max_length=128, padding=True, return_tensors="pt")
         predicted = model(**enc).logits.argmax(-1).tolist()
         correct += sum(p == label2id[label] for p, label in zip(predicted, batch["label"]))
-print(json.dumps({"id2label": {str(k): v for k, v in model.config.id2label.items()}, "acc": correct / 64}))
+print(json.dumps({"id2label": {str(k): v for k, v in model.config.id2label.items()}, "acc": correct / n}))
 """
 
 
