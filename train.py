@@ -1,4 +1,4 @@
-"""Fine-tune a Hugging Face transformer for text classification with Lightning Fabric.
+"""Train a model with Lightning Fabric; the job itself (data, model, loss, metrics, export) is the task's.
 
     python train.py --demo                                        # offline, CPU, about a minute
     python train.py --dataset ../shared/data/imdb --model PATH --devices 2
@@ -6,33 +6,34 @@
 
 Fabric launches the processes, places model, optimizer and batches, and runs backward; everything else is the
 plain PyTorch loop below, meant to be edited. It reads top to bottom in the order it runs:
-setup() -> main() -> fit() -> validate() -> finish(). What makes the job text classification (data, model, loss,
-metrics, export) is in task.py.
+setup() -> main() -> fit() -> validate() -> finish(). What makes the job this job is in task.py, which gives the loop
+a `TaskSpec` (fabric_utils/task_spec.py); replacing task.py is all another job needs.
 """
 
+import functools
 import json
 import math
-import time
 from pathlib import Path
 
 import torch
 from torchmetrics import MeanMetric, SumMetric
 
 import task
-from data.batching import make_collator, make_dataloaders
 from fabric_utils.args import build_parser, parse_flags
 from fabric_utils.batch_size import find_batch_size
 from fabric_utils.checkpoint import find_resume_checkpoint, load_checkpoint, save_checkpoint
 from fabric_utils.errors import UserError, exit_on_user_error
 from fabric_utils.export import export_model
-from fabric_utils.launcher import (build_fabric, clips_in_loop, launch, strategy_checkpoints_blocks,
-                                   offloads_optimizer, scales_loss, warn_if_updates_vanish)
+from fabric_utils.launcher import (build_fabric, clips_in_loop, launch, offloads_optimizer, scales_loss,
+                                   strategy_checkpoints_blocks, warn_if_updates_vanish)
+from fabric_utils.loaders import make_dataloaders
 from fabric_utils.loggers import finalize_loggers, make_loggers, plot_metrics, save_tracker_ids, saved_tracker_ids
 from fabric_utils.optim import build_optimizer, build_scheduler, count_parameters, count_warmup_steps
 from fabric_utils.preemption import Preemption
 from fabric_utils.progress import Progress
-from fabric_utils.sharding import setup_model_and_optimizer
 from fabric_utils.run_folder import environment_report, prepare_out_dir, save_config
+from fabric_utils.sharding import declare_blocks, recompute_blocks, setup_model_and_optimizer
+from fabric_utils.task_spec import TaskSpec
 from fabric_utils.speed import (Throughput, compile_model, configure_backends, default_num_workers, peak_memory_mb, training_flops_fn,
                                 warm_up)
 
@@ -45,7 +46,7 @@ def flag_parser():
 
 
 def parse_args(argv=None):
-    return parse_flags(flag_parser(), argv, presets={"demo": task.DEMO_DEFAULTS, "lora_r": task.LORA_DEFAULTS})
+    return parse_flags(flag_parser(), argv, presets=getattr(task, "PRESETS", {}))
 
 
 @exit_on_user_error
@@ -66,30 +67,27 @@ def setup(argv=None) -> dict:
 
 def main(fabric, args, out_dir: Path) -> dict:
     fabric.seed_everything(args.seed)
-    task.quiet_libraries(args.quiet or not fabric.is_global_zero)
     preemption = Preemption()  # from here on, SIGTERM/SIGUSR1 lead to a checkpoint, not a lost run
     configure_backends(fabric.device)
     env = environment_report(fabric)
     if fabric.is_global_zero and not args.quiet:
         fabric.print(json.dumps(env, indent=1))
 
-    data = load_data(fabric, args)
-    objective = task.Objective(data.problem_type, num_labels=len(data.label_names))
-    model = task.build_model(data.model_source, data.label_names, data.problem_type,
-                             attention_dropout=args.attention_dropout, hidden_dropout=args.hidden_dropout,
-                             # FSDP and FSDP2 checkpoint the blocks they shard themselves
-                             grad_checkpointing=args.grad_checkpointing
-                             and not strategy_checkpoints_blocks(fabric.strategy),
-                             lora_r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-                             lora_target_modules=args.lora_target_modules)
+    with fabric.rank_zero_first(local=True):  # rank 0 of each node prepares the data first; the others read its cache
+        job: TaskSpec = task.setup(args, verbose=fabric.is_global_zero and not args.quiet)
+    for note in job.notes:
+        fabric.print(note)
+    objective = job.objective
+    model = declare_blocks(job.build_model(), job.blocks)
+    if args.grad_checkpointing and not strategy_checkpoints_blocks(fabric.strategy):
+        recompute_blocks(model)  # FSDP and FSDP2 recompute the blocks they shard themselves
     params = count_parameters(model)  # now, while every rank holds every weight (no strategy has sharded them)
     save_config(fabric, args, out_dir)  # only now: bad data or model must leave the folder untouched
     save_tracker_ids(fabric, out_dir)  # starts the tracked runs (MLflow, W&B) and keeps their ids for a resume
 
-    def dummy_batch(rows: int, length: int = args.max_length, device=fabric.device) -> dict:
-        return objective.dummy_batch(rows, length, vocab_size=len(data.tokenizer), device=device)
+    step_loss = functools.partial(training_loss, objective)
     flops_of = training_flops_fn(  # FLOPs of forward and backward, for MFU
-        model, lambda m, n: objective.step_loss(m, dummy_batch(1, n, device="meta")), max_length=args.max_length)
+        model, lambda m, size: step_loss(m, job.example_batch(1, size, "meta")), max_size=job.max_size)
     if args.compile:
         model = compile_model(model, mode=args.compile_mode)
     model, optimizer, torch_optimizer = setup_model_and_optimizer(                              # Fabric step 3
@@ -98,52 +96,42 @@ def main(fabric, args, out_dir: Path) -> dict:
                                                       offload=offloads_optimizer(fabric),
                                                       loss_scaling=scales_loss(fabric)))
     if args.batch_size == "auto":  # probed on the model and optimizer as set up: wrapped, sharded, with state
-        args.batch_size = find_batch_size(fabric, model, optimizer, make_batch=dummy_batch,
-                                          loss_fn=objective.step_loss)
-    loaders = make_loaders(fabric, args, data)
+        args.batch_size = find_batch_size(fabric, model, optimizer, loss_fn=step_loss,
+                                          make_batch=lambda rows: job.example_batch(rows, None, fabric.device))
+    loaders = make_loaders(fabric, args, job)
     max_steps = args.max_steps or args.epochs * math.ceil(len(loaders["train"]) / args.grad_accum)
     scheduler = build_scheduler(torch_optimizer, args.scheduler, lr=args.lr, max_steps=max_steps,
                                 warmup_steps=count_warmup_steps(args.warmup, max_steps))
 
-    meta = {"model": data.model_source, "labels": data.label_names, "problem_type": data.problem_type}
     state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "step": 0, "epoch": 0,
-             "batch_in_epoch": 0, "best_val": {}, "meta": meta, "config": vars(args)}
+             "batch_in_epoch": 0, "best_val": {}, "meta": job.meta, "config": vars(args)}
     resume_from = find_resume_checkpoint(args.resume, out_dir / "checkpoints")
     if resume_from:
-        load_checkpoint(fabric, resume_from, state, expected_meta=meta)
+        load_checkpoint(fabric, resume_from, state, expected_meta=job.meta)
         fabric.print(f"resumed from {resume_from} at step {state['step']}")
 
     if fit(fabric, args, state, loaders=loaders, preemption=preemption, ckpt_dir=out_dir / "checkpoints",
-           max_steps=max_steps, flops_of=flops_of, objective=objective):
+           max_steps=max_steps, flops_of=flops_of, job=job):
         finalize_loggers(fabric.loggers, status="preempted")  # this segment's metrics stay on disk
         fabric.print(f"preempted: saved a checkpoint at step {state['step']}; rerun with --resume auto")
         preemption.exit(fabric)  # status EXIT_PREEMPTED (75)
-    return finish(fabric, args, state, loaders=loaders, out_dir=out_dir, data=data, objective=objective,
+    return finish(fabric, args, state, loaders=loaders, out_dir=out_dir, job=job,
                   report={**params, "environment": env})
 
 
-def load_data(fabric, args) -> task.TaskData:
-    with fabric.rank_zero_first(local=True):  # rank 0 of each node tokenizes first; the others read its cache
-        data = task.load_data(dataset=args.dataset, model=args.model, demo=args.demo, text_column=args.text_column,
-                              label_column=args.label_column, max_length=args.max_length, seed=args.seed,
-                              train_size=args.train_size, val_size=args.val_size, test_size=args.test_size,
-                              problem_type=args.problem_type, label_separator=args.label_separator,
-                              drop_invalid=args.drop_invalid)
-    for note in data.notes:
-        fabric.print(note)
-    args.problem_type = data.problem_type  # config.yaml records what auto chose
-    return data
-
-
-def make_loaders(fabric, args, data: task.TaskData) -> dict:
+def make_loaders(fabric, args, job: TaskSpec) -> dict:
     loaders = make_dataloaders(
-        data.splits, make_collator(data.tokenizer, args.pad_to_max_length, args.max_length, args.pad_to_multiple_of),
-        batch_size=args.batch_size, eval_batch_size=args.eval_batch_size or 2 * args.batch_size,
-        world_size=fabric.world_size, rank=fabric.global_rank, seed=args.seed, group_by_length=args.group_by_length,
+        job.datasets, job.collate, job.sizes, batch_size=args.batch_size,
+        eval_batch_size=args.eval_batch_size or 2 * args.batch_size, world_size=fabric.world_size,
+        rank=fabric.global_rank, seed=args.seed, group_by_length=args.group_by_length,
         num_workers=default_num_workers(fabric) if args.num_workers is None else args.num_workers,
         pin_memory=fabric.device.type == "cuda")
     # the samplers already shard rows across ranks, so Fabric only moves batches to the device
     return dict(zip(loaders, fabric.setup_dataloaders(*loaders.values(), use_distributed_sampler=False)))
+
+
+def training_loss(objective, model, batch: dict) -> torch.Tensor:
+    return objective.loss(objective.forward(model, batch), batch)
 
 
 def micro_batches(loader, grad_accum: int, start: int):
@@ -155,13 +143,15 @@ def micro_batches(loader, grad_accum: int, start: int):
         yield batch, group_size, (position + 1) % grad_accum == 0 or position + 1 == epoch_batches
 
 
-def fit(fabric, args, state, loaders, preemption, ckpt_dir, max_steps, flops_of, objective) -> bool:
+def fit(fabric, args, state, loaders, preemption, ckpt_dir, max_steps, flops_of, job: TaskSpec) -> bool:
     """Trains until ``max_steps``, early stopping or preemption; returns whether it was preempted."""
     model, optimizer, scheduler, train_loader = state["model"], state["optimizer"], state["scheduler"], loaders["train"]
+    objective = job.objective
     progress = Progress(fabric, max_steps, args.quiet, metrics=objective.make_metrics())
-    monitor = Throughput(fabric, args.peak_tflops, flops_of)
+    monitor = Throughput(fabric, args.peak_tflops, flops_of, sized=job.row_sizes is not None)
     if args.compile:
-        warm_up(fabric, model, optimizer, batch=next(iter(train_loader)), loss_fn=objective.step_loss)
+        warm_up(fabric, model, optimizer, batch=next(iter(train_loader)),
+                loss_fn=functools.partial(training_loss, objective))
     fabric.barrier()
     monitor.start(state["step"])
     stale, preempted, stop = 0, False, False
@@ -171,11 +161,11 @@ def fit(fabric, args, state, loaders, preemption, ckpt_dir, max_steps, flops_of,
         for batch, group_size, is_last in micro_batches(train_loader, args.grad_accum, state["batch_in_epoch"]):
             state["batch_in_epoch"] += 1
             with fabric.no_backward_sync(model, enabled=not is_last):  # DDP all-reduces only on the last
-                logits = task.forward(model, batch)
+                logits = objective.forward(model, batch)
                 loss = objective.loss(logits, batch)
                 fabric.backward(loss / group_size)                                           # Fabric step 4
             progress.update(loss, logits, batch["labels"])
-            monitor.count(task.row_lengths(batch))
+            monitor.count(len(batch["labels"]), job.row_sizes(batch) if job.row_sizes else None)
             if not is_last:
                 continue
             if args.grad_clip and clips_in_loop(fabric):  # DeepSpeed clips inside optimizer.step()
@@ -241,7 +231,7 @@ def evaluate(fabric, model, loader, objective) -> dict:
     for batch in loader:
         # every rank runs every forward, even on a batch of repeated rows only: under fsdp, fsdp2 and ZeRO-3 each
         # forward is a collective (the all-gather of each block), and a rank that skipped one would hang the others
-        logits = task.forward(model, batch)
+        logits = objective.forward(model, batch)
         real = min(len(logits), remaining)
         remaining -= real
         if real == 0:
@@ -255,16 +245,16 @@ def evaluate(fabric, model, loader, objective) -> dict:
             "examples": int(rows.compute().item())}
 
 
-def finish(fabric, args, state, loaders, out_dir, data, objective, report) -> dict:
+def finish(fabric, args, state, loaders, out_dir, job: TaskSpec, report) -> dict:
     """Tests the best model, exports it and writes results.json (with ``report``: what else the run knows)."""
     model, best = state["model"], out_dir / "checkpoints" / "best" / "state"
     fabric.load(best, {"model": model})
+    objective = job.objective
     test = evaluate(fabric, model, loaders["test"], objective=objective)
-    export_model(fabric, best, out_dir / "model",
-                 write=lambda weights, folder: task.export(weights, model, data.tokenizer, folder))
+    export_model(fabric, best, out_dir / "model", write=lambda weights, folder: job.export(weights, model, folder))
     results = {
         **{f"val_{k}": v for k, v in state["best_val"].items()}, **{f"test_{k}": v for k, v in test.items()},
-        "train_examples": len(data.splits["train"]), "steps": state["step"],
+        "train_examples": len(job.datasets["train"]), "steps": state["step"],
         "epochs": state["epoch"] + (state["batch_in_epoch"] > 0), "world_size": fabric.world_size,
         "precision": fabric.strategy.precision.precision, "strategy": type(fabric.strategy).__name__,
         **state["throughput"], "peak_memory_mb": peak_memory_mb(fabric.device), **report, "config": vars(args),

@@ -1,9 +1,11 @@
 """Tokenize once, without padding, and cache the result with datasets' fingerprint cache."""
 
+import functools
 import json
 
 import datasets
 from datasets.fingerprint import Hasher
+from transformers import DataCollatorWithPadding
 
 
 def tokenize_splits(splits: datasets.DatasetDict, tokenizer, text_column: str, max_length: int,
@@ -31,3 +33,19 @@ def tokenize_splits(splits: datasets.DatasetDict, tokenizer, text_column: str, m
                         new_fingerprint=Hasher.hash((split._fingerprint, tokenizer_id, max_length, sorted(keep))))
         for name, split in splits.items()
     })
+
+
+def make_collator(tokenizer, pad_to_max_length: bool, max_length: int, pad_to_multiple_of: int):
+    """Pads each batch to its longest row (rounded up for tensor-core friendly shapes), or to ``max_length``.
+
+    Batches come out as plain dicts: Fabric moves a dict's tensors one by one with ``non_blocking=True``, but calls a
+    ``BatchEncoding``'s own ``.to(device)``, a blocking copy that waits for the GPU on every batch."""
+    if pad_to_max_length:
+        pad = DataCollatorWithPadding(tokenizer, padding="max_length", max_length=max_length)
+    else:
+        pad = DataCollatorWithPadding(tokenizer, padding="longest", pad_to_multiple_of=pad_to_multiple_of)
+    return functools.partial(_padded_dict, pad)  # not a lambda: workers started by "spawn" must pickle it
+
+
+def _padded_dict(pad, rows) -> dict:
+    return dict(pad(rows))

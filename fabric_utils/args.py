@@ -1,5 +1,5 @@
 """The training loop's flags, grouped by purpose, and their parsing. ``--config FILE`` (YAML) sets defaults; flags on
-the command line win. The task's own flags (data, model) are added by ``task.add_args``."""
+the command line win. The task adds its own flags (data, model) and its defaults for these (``fabric_utils.task_spec``)."""
 
 import argparse
 import os
@@ -79,12 +79,9 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     g.add_argument("--grad-accum", type=positive_int, default=1,
                    help="micro-batches per optimizer step; DDP, FSDP and ZeRO-1 reduce gradients only on the last, "
                         "ZeRO-2/3 on every one (they keep only their shard)")
-    g.add_argument("--lr", type=positive_float, default=1.5e-4,
-                   help="peak learning rate. 1.5e-4: in one-epoch fine-tunes of all-MiniLM-L6-v2 it beat 2e-4 on "
-                        "2,000 IMDB rows (0.829 against 0.809 test acc; the article's fixed 5e-5: 0.843) and on 600 "
-                        "(0.775 against 0.763; article 0.725), 3 seeds each; 1e-4 fell to 0.713 on 600 rows "
-                        "(bench/RESULTS.md, issue 10). Base-size models (BERT, DistilBERT) are usually tuned lower: "
-                        "try 5e-5 to 1e-4 if the loss spikes")
+    g.add_argument("--lr", type=positive_float, default=1e-3,
+                   help="peak learning rate (a task sets its own default: task.py says which models it was chosen "
+                        "for)")
     g.add_argument("--optimizer", choices=("adamw", "adam"), default="adamw")
     g.add_argument("--weight-decay", type=non_negative_float, default=0.01, help="AdamW decoupled weight decay")
     g.add_argument("--scheduler", choices=("linear", "cosine", "one-cycle", "constant"), default="linear",
@@ -101,8 +98,11 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     g.add_argument("--compile", action="store_true", help="torch.compile the model (compiled before the clock starts)")
     g.add_argument("--compile-mode", default="default",
                    choices=("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"))
-    g.add_argument("--grad-checkpointing", action="store_true", help="recompute activations in backward: less "
-                   "memory, about a third more compute")
+    g.add_argument("--grad-checkpointing", action="store_true", help="recompute the model's blocks' activations in "
+                   "backward: less memory, about a third more compute")
+    g.add_argument("--group-by-length", action=argparse.BooleanOptionalAction, default=True,
+                   help="batch training rows of similar size (where the task gives sizes, e.g. tokens) so "
+                        "per-batch padding stays small")
     g.add_argument("--num-workers", type=int, help="DataLoader worker processes per rank (default: from CPU count "
                    "and processes per node)")
     g.add_argument("--peak-tflops", type=positive_float,

@@ -57,7 +57,7 @@ def find_batch_size(fabric, model, optimizer, *, make_batch: Callable[[int], dic
         for group, lr in zip(optimizer.param_groups, lrs):
             group["lr"] = lr
     if best == 0:
-        raise UserError("not even one row fits in memory; lower --max-length, use --grad-checkpointing or a sharded "
+        raise UserError("not even one row fits in memory; use shorter rows, --grad-checkpointing or a sharded "
                         "--strategy")
     fabric.print(f"--batch-size auto: {best} rows per device")
     return best

@@ -157,8 +157,8 @@ def _peek_meta(state_path: Path):
     return checkpoint.get("meta")
 
 
-def _same_model(a, b) -> bool:
-    """The same hub id, or two spellings (relative, absolute, ~) of one local folder."""
+def _same_value(a, b) -> bool:
+    """Equal, or two spellings (relative, absolute, ~) of one local path."""
     if a == b:
         return True
     if not (isinstance(a, str) and isinstance(b, str)):
@@ -168,23 +168,14 @@ def _same_model(a, b) -> bool:
 
 
 def _check_meta(path: Path, found, expected: dict) -> None:
+    """``expected`` is the task's record of what defines the model and its outputs (``TaskSpec.meta``)."""
     if found is None or found == expected:
         return
     if not isinstance(found, dict):
-        raise UserError(f"checkpoint {path} has no readable model and label record; start a new --out-dir or "
-                        f"pass another --resume")
-    same_model = _same_model(found.get("model"), expected.get("model"))
-    if same_model and {k: v for k, v in found.items() if k != "model"} == {
-            k: v for k, v in expected.items() if k != "model"}:
-        return
-    if not same_model:
-        raise UserError(f"checkpoint {path} was written for model {found.get('model')}, not {expected.get('model')};"
-                        f" resume with the same --model, or start a new --out-dir")
-    if found.get("labels") != expected.get("labels"):
-        raise UserError(f"checkpoint {path} was written for labels {found.get('labels')}, but the data has labels "
-                        f"{expected.get('labels')}; resume with the same data and --label-column, or start a new "
-                        f"--out-dir")
-    differ = sorted(k for k in {*found, *expected} - {"model", "labels"} if found.get(k) != expected.get(k))
-    raise UserError(f"checkpoint {path} was written with {', '.join(f'{k} {found.get(k)}' for k in differ)}, not "
-                    f"{', '.join(str(expected.get(k)) for k in differ)}; resume with the same flags, or start a new "
-                    f"--out-dir")
+        raise UserError(f"checkpoint {path} has no readable record of its task; start a new --out-dir or pass "
+                        f"another --resume")
+    differ = sorted(k for k in {*found, *expected} if not _same_value(found.get(k), expected.get(k)))
+    if differ:
+        raise UserError(f"checkpoint {path} was written with {', '.join(f'{k} {found.get(k)}' for k in differ)}, "
+                        f"not {', '.join(str(expected.get(k)) for k in differ)}; resume with the same flags, or "
+                        f"start a new --out-dir")

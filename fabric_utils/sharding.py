@@ -1,10 +1,11 @@
-"""Sharded training: a model's transformer blocks become the units that FSDP (``--strategy fsdp``) and FSDP2
-(``--strategy fsdp2``) gather and free one at a time, and Fabric sets up model and optimizer in the order each
-strategy needs.
+"""Sharded training: a model's repeated blocks become the units that FSDP (``--strategy fsdp``) and FSDP2
+(``--strategy fsdp2``) gather and free one at a time, and whose activations ``--grad-checkpointing`` recomputes;
+Fabric sets up model and optimizer in the order each strategy needs.
 
 A block is a class the model names in ``_no_split_modules`` (Hugging Face models list their layer classes there for
-device maps; any model can set the attribute). Sharding the whole model as one unit instead gathers every weight at
-once for the whole forward: no memory saved over DDP, and no overlap of communication with compute.
+device maps; ``declare_blocks`` sets it from the task's ``TaskSpec.blocks``). Sharding the whole model as one unit
+instead gathers every weight at once for the whole forward: no memory saved over DDP, and no overlap of
+communication with compute.
 """
 
 from typing import Callable
@@ -29,9 +30,29 @@ def block_classes(model: nn.Module) -> tuple[type, ...]:
     else:
         found = {type(block) for blocks in model.modules() if isinstance(blocks, nn.ModuleList) for block in blocks}
     if not found:
-        raise UserError(f"cannot find the transformer blocks of {type(model).__name__} to shard one by one: list "
-                        f"their class names in the model's `_no_split_modules`, or use --strategy ddp")
+        raise UserError(f"cannot find the repeated blocks of {type(model).__name__} to shard or recompute one by "
+                        f"one: the task names them in its TaskSpec's blocks; or use --strategy ddp")
     return tuple(found)
+
+
+def declare_blocks(model: nn.Module, blocks: tuple[type, ...]) -> nn.Module:
+    """Names the task's ``blocks`` where FSDP, FSDP2 and activation checkpointing look for them (the strategy was
+    built before the model existed); without them the model's own ``_no_split_modules`` or ``ModuleList``s count."""
+    if blocks:
+        model._no_split_modules = sorted({block.__name__ for block in blocks})
+    return model
+
+
+def recompute_blocks(model: nn.Module) -> None:
+    """``--grad-checkpointing`` outside FSDP and FSDP2 (which wrap the blocks they shard themselves): a model's own
+    gradient checkpointing where it has one (Hugging Face models; their checkpoints keep their names), else each
+    block wrapped to recompute its activations in backward."""
+    if hasattr(model, "gradient_checkpointing_enable"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return
+    blocks = block_classes(model)
+    apply_activation_checkpointing(model, checkpoint_wrapper_fn=checkpoint_wrapper,
+                                   check_fn=lambda module: isinstance(module, blocks))
 
 
 class BlockPolicy:

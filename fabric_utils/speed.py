@@ -30,25 +30,28 @@ def default_num_workers(fabric) -> int:
     return min(4, suggested_max_num_workers(per_node))
 
 
-def training_flops_fn(model: torch.nn.Module, step_loss: Callable[[torch.nn.Module, int], torch.Tensor],
-                      max_length: int) -> Callable[[int, int, int], float]:
-    """Returns ``flops(rows, tokens, tokens_sq)``: the FLOPs of forward and backward over ``rows`` rows holding
-    ``tokens`` non-padding tokens in all, ``tokens_sq`` the sum of each row's length squared.
+def training_flops_fn(model: torch.nn.Module, step_loss: Callable[[torch.nn.Module, int | None], torch.Tensor],
+                      max_size: int | None) -> Callable[[int, int, int], float]:
+    """Returns ``flops(rows, sizes, sizes_sq)``: the FLOPs of forward and backward over ``rows`` rows whose sizes
+    (real tokens, for text) add up to ``sizes``, ``sizes_sq`` the sum of each row's size squared.
 
-    ``step_loss(model, length)`` runs the training forward on one row of ``length`` tokens and returns the loss.
-    Fabric's ``measure_flops`` counts it on a meta-device copy of the model (no memory, no time) at three lengths;
-    a quadratic in the length (linear layers + attention) fits them exactly, so the loop only keeps three sums on
-    the device and never copies anything per step.
+    ``step_loss(model, size)`` runs the training forward on one row of ``size`` (None where rows have no size, as
+    images) and returns the loss. Fabric's ``measure_flops`` counts it on a meta-device copy of the model (no memory,
+    no time); with sizes, at three of them, and a quadratic in the size (linear layers + attention) fits them
+    exactly, so the loop only keeps three sums on the device and never copies anything per step.
     """
     meta_model = meta_copy(model)
-    points = sorted({max(max_length // 4, 1), max(max_length // 2, 2), max_length})
-    measured = [measure_flops(meta_model, lambda: step_loss(meta_model, length), lambda loss: loss)
-                for length in points]
+    if max_size is None:
+        per_row = measure_flops(meta_model, lambda: step_loss(meta_model, None), lambda loss: loss)
+        return lambda rows, sizes, sizes_sq: per_row * rows
+    points = sorted({max(max_size // 4, 1), max(max_size // 2, 2), max_size})
+    measured = [measure_flops(meta_model, lambda: step_loss(meta_model, size), lambda loss: loss)
+                for size in points]
     coeffs = np.polyfit(points, measured, deg=min(2, len(points) - 1))[::-1].tolist()  # constant term first
     c0, c1, c2 = coeffs + [0.0] * (3 - len(coeffs))
 
-    def flops(rows: int, tokens: int, tokens_sq: int) -> float:
-        return c0 * rows + c1 * tokens + c2 * tokens_sq
+    def flops(rows: int, sizes: int, sizes_sq: int) -> float:
+        return c0 * rows + c1 * sizes + c2 * sizes_sq
     return flops
 
 
@@ -63,18 +66,19 @@ def meta_copy(module: torch.nn.Module) -> torch.nn.Module:
 
 
 class Throughput:
-    """Rows, non-padding tokens and FLOPs of this process, counted on the device every micro-batch and read back
+    """Rows, their sizes (real tokens, where the task gives sizes) and FLOPs of this process, counted on the device
+    every micro-batch and read back
     only at log steps; Fabric's ``ThroughputMonitor`` turns them into rates and MFU in the logs, and ``stop()`` into
     the whole loop's figures for results.json. The clock is training time: what runs under ``paused()``
     (validation, checkpoints) is left out, so rates, MFU and the logged ``time`` compare across validation settings.
     A resumed run counts from its resume."""
 
-    def __init__(self, fabric, peak_tflops: float | None, flops_of: Callable[[int, int, int], float]):
-        self.fabric, self.flops_of = fabric, flops_of
+    def __init__(self, fabric, peak_tflops: float | None, flops_of: Callable[[int, int, int], float], sized: bool):
+        self.fabric, self.flops_of, self.sized = fabric, flops_of, sized
         self.monitor = ThroughputMonitor(fabric, window_size=5)
         if peak_tflops:  # Fabric knows the peak of common GPUs, not of CPUs
             self.monitor.available_flops = peak_tflops * 1e12
-        self.counts = torch.zeros(3, dtype=torch.int64, device=fabric.device)  # rows, tokens, sum of lengths²
+        self.counts = torch.zeros(3, dtype=torch.int64, device=fabric.device)  # rows, sizes, sum of sizes²
         self.flops_logged = 0.0
 
     def start(self, step: int) -> None:
@@ -93,19 +97,25 @@ class Throughput:
         """Training seconds since ``start``."""
         return time.perf_counter() - self.start_time - self.paused_s
 
-    def count(self, lengths: torch.Tensor) -> None:
-        self.counts += torch.stack((torch.ones_like(lengths).sum(), lengths.sum(), (lengths * lengths).sum()))
+    def count(self, rows: int, sizes: torch.Tensor | None) -> None:
+        """``rows`` (a Python int: the batch's shape, no sync), and each row's size where the task gives sizes."""
+        if sizes is None:
+            self.counts[0] += rows
+        else:
+            self.counts += torch.stack((torch.ones_like(sizes).sum(), sizes.sum(), (sizes * sizes).sum()))
 
     def log(self, step: int) -> dict:
         rows, tokens, tokens_sq = self.counts.tolist()  # sync: log steps only
         flops = self.flops_of(rows, tokens, tokens_sq)
         self.monitor.update(time=self.seconds(), batches=step - self.start_step, samples=rows,
-                            lengths=tokens, flops=flops - self.flops_logged)  # it takes FLOPs since its last update
+                            lengths=tokens if self.sized else None,
+                            flops=flops - self.flops_logged)  # it takes FLOPs since its last update
         self.flops_logged = flops
         return self.monitor.compute_and_log(step=step)
 
     def stop(self) -> dict:
-        """The whole loop over all ranks: seconds, rows/s and tokens/s, and MFU (None where the peak is unknown)."""
+        """The whole loop over all ranks: seconds, rows/s, sizes/s (tokens/s for text; only where the task gives
+        sizes), and MFU (None where the peak is unknown)."""
         seconds = self.seconds()
         rows, tokens, tokens_sq = self.counts.tolist()
         flops = self.flops_of(rows, tokens, tokens_sq)
@@ -113,7 +123,7 @@ class Throughput:
                                                      device=self.fabric.device), reduce_op="sum").tolist()
         peak = self.monitor.available_flops
         return {"train_time_s": seconds, "train_samples_per_s": totals[0] / seconds,
-                "train_tokens_per_s": totals[1] / seconds,
+                **({"train_tokens_per_s": totals[1] / seconds} if self.sized else {}),
                 "mfu": totals[2] / seconds / (peak * self.fabric.world_size) if peak else None}
 
 

@@ -59,8 +59,8 @@ def main():
     y = x.sum(dim=1) + 0.1 * torch.randn(256, generator=torch.Generator().manual_seed(1))
 
     model = Regressor()
-    flops_of = training_flops_fn(model, lambda m, n: huber(m(torch.zeros(n, 8, device="meta")),
-                                                           torch.zeros(n, device="meta")), max_length=4)
+    flops_of = training_flops_fn(model, lambda m, size: huber(m(torch.zeros(1, 8, device="meta")),
+                                                              torch.zeros(1, device="meta")), max_size=None)
     model, optimizer, _ = setup_model_and_optimizer(
         fabric, model, lambda m: build_optimizer(m, name="adamw", lr=3e-2, weight_decay=0.01, device=fabric.device))
     scheduler = build_scheduler(optimizer, "linear", lr=3e-2, max_steps=args.steps, warmup_steps=2)
@@ -69,7 +69,7 @@ def main():
     if args.resume:
         load_checkpoint(fabric, find_resume_checkpoint("auto", ckpt_dir), state, expected_meta={"job": "plain"})
     progress = Progress(fabric, args.steps, quiet=True, metrics=MetricCollection({"mse": MeanSquaredError()}))
-    monitor = Throughput(fabric, peak_tflops=1.0, flops_of=flops_of)
+    monitor = Throughput(fabric, peak_tflops=1.0, flops_of=flops_of, sized=False)
     monitor.start(state["step"])
     while state["step"] < args.steps:
         # each step's rows follow from the step alone (a fresh shuffle, this rank's share), so a resume needs no
@@ -85,7 +85,7 @@ def main():
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         progress.update(loss, prediction, targets)
-        monitor.count(torch.full((len(targets),), 4, device=fabric.device))
+        monitor.count(len(targets), None)
         state["step"] += 1
         logged = progress.log(state["step"], scheduler.get_last_lr()[0])
         monitor.log(state["step"])

@@ -1,4 +1,8 @@
-"""Batches for training and evaluation on any number of processes.
+"""Batches for training and evaluation on any number of processes, for any task (``fabric_utils.task_spec``).
+
+What they need from a task: map-style datasets (``len(ds)``, ``ds[i]`` -> a row), a ``collate`` that turns a list of
+rows into a batch (a dict of tensors, rows first, the targets under ``"labels"``), and optionally each row's size
+(tokens for text) to group training rows of similar size and to sort evaluation rows, so padding stays small.
 
 Training: every rank gets different rows, every row is seen each epoch, the order changes per epoch, and with
 length grouping the rows of a batch have similar lengths so per-batch padding stays small. Evaluation: every row
@@ -7,12 +11,11 @@ rank in every forward), so a rank that is one row short repeats one row, which `
 lets the loop ignore.
 """
 
-import functools
 import math
+from collections.abc import Callable, Sequence
 
 import torch
-from torch.utils.data import DataLoader, Sampler
-from transformers import DataCollatorWithPadding
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 MEGABATCH_FACTOR = 50  # how many global batches are sorted together when grouping by length
 
@@ -73,35 +76,21 @@ class EvalBatchSampler(Sampler[list[int]]):
         return math.ceil(len(self.indices) / self.batch_size)
 
 
-def make_collator(tokenizer, pad_to_max_length: bool, max_length: int, pad_to_multiple_of: int):
-    """Pads each batch to its longest row (rounded up for tensor-core friendly shapes), or to ``max_length``.
-
-    Batches come out as plain dicts: Fabric moves a dict's tensors one by one with ``non_blocking=True``, but calls a
-    ``BatchEncoding``'s own ``.to(device)``, a blocking copy that waits for the GPU on every batch."""
-    if pad_to_max_length:
-        pad = DataCollatorWithPadding(tokenizer, padding="max_length", max_length=max_length)
-    else:
-        pad = DataCollatorWithPadding(tokenizer, padding="longest", pad_to_multiple_of=pad_to_multiple_of)
-    return functools.partial(_padded_dict, pad)  # not a lambda: workers started by "spawn" must pickle it
-
-
-def _padded_dict(pad, rows) -> dict:
-    return dict(pad(rows))
-
-
-def make_dataloaders(tokenized, collator, *, batch_size, eval_batch_size, world_size, rank, seed, group_by_length,
-                     num_workers, pin_memory) -> dict:
-    """``{"train", "validation", "test"}`` loaders; the samplers already shard across ranks."""
-    def loader(split, batch_sampler):
-        dataset = split.remove_columns("length").with_format("torch")
-        return DataLoader(dataset, batch_sampler=batch_sampler, collate_fn=collator, num_workers=num_workers,
+def make_dataloaders(datasets: dict[str, Dataset], collate: Callable[[list], dict],
+                     sizes: dict[str, Sequence[int]] | None, *, batch_size, eval_batch_size, world_size, rank, seed,
+                     group_by_length, num_workers, pin_memory) -> dict:
+    """``{"train", "validation", "test"}`` loaders; the samplers already shard across ranks. Without ``sizes`` every
+    row counts as the same size: training batches are plain shuffles, evaluation keeps the split's order."""
+    def loader(name, batch_sampler):
+        return DataLoader(datasets[name], batch_sampler=batch_sampler, collate_fn=collate, num_workers=num_workers,
                           pin_memory=pin_memory, persistent_workers=num_workers > 0,
                           # a private generator keeps worker seeding off the global RNG that dropout draws from,
                           # so creating an iterator mid-epoch after a resume does not shift the dropout masks
                           generator=torch.Generator().manual_seed(seed))
 
-    lengths = {name: split["length"] for name, split in tokenized.items()}
-    samplers = {"train": TrainBatchSampler(lengths["train"], batch_size, world_size, rank, seed, group_by_length),
-                **{name: EvalBatchSampler(lengths[name], eval_batch_size, world_size, rank)
+    group_by_length = group_by_length and sizes is not None
+    sizes = sizes or {name: [1] * len(dataset) for name, dataset in datasets.items()}
+    samplers = {"train": TrainBatchSampler(sizes["train"], batch_size, world_size, rank, seed, group_by_length),
+                **{name: EvalBatchSampler(sizes[name], eval_batch_size, world_size, rank)
                    for name in ("validation", "test")}}
-    return {name: loader(tokenized[name], sampler) for name, sampler in samplers.items()}
+    return {name: loader(name, sampler) for name, sampler in samplers.items()}

@@ -1,0 +1,65 @@
+"""The contract between the loop (``train.py``) and a task (``task.py``): everything the loop needs to know about a
+job, and nothing it needs to know about how the task does it.
+
+A task module provides:
+
+- ``add_args(parser)``: its own flags (data, model). It may also ``parser.set_defaults(...)`` loop flags it has its
+  own values for (``lr``, ``epochs``, ``batch_size``, ...): they show in ``--help`` and a ``--config`` file or the
+  command line still wins.
+- ``PRESETS`` (optional): ``{flag: {loop flag: default}}``, defaults a task flag brings when it is set (a larger
+  learning rate for adapters, say). ``--config`` and the command line win over them.
+- ``setup(args, verbose) -> TaskSpec``: built from the parsed flags, whole. It runs on every rank, local rank 0 of
+  each node first, so it may cache what it prepares (tokenization, downloads) for the others to read. ``verbose``
+  is false on every rank but the first and under ``--quiet``.
+
+A model built by ``TaskSpec.build_model`` must take a batch through ``objective.forward`` and give outputs that
+``objective.loss`` and the metrics take; batches are dicts of tensors, rows first, with the targets under
+``"labels"`` (the loop scores exactly the real rows of each evaluation batch by slicing every tensor along its first
+dimension).
+"""
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import torch
+from torch.utils.data import Dataset
+from torchmetrics import MetricCollection
+
+
+class Objective(Protocol):
+    """What training minimizes and evaluation reports."""
+    best_metric: str  # the metric that picks checkpoints/best, a key of make_metrics()
+
+    def forward(self, model: torch.nn.Module, batch: dict) -> torch.Tensor:
+        """The model's outputs for a batch (logits)."""
+
+    def loss(self, outputs: torch.Tensor, batch: dict, reduction: str = "mean") -> torch.Tensor:
+        """The mean loss, or one per row with ``reduction="none"`` (evaluation averages rows exactly)."""
+
+    def make_metrics(self) -> MetricCollection:
+        """Metrics updated with ``(outputs, batch["labels"])`` on the device; read only when computed."""
+
+    def is_better(self, value: float, best: float | None) -> bool:
+        """Whether ``value`` of ``best_metric`` beats ``best`` (None: nothing yet)."""
+
+
+@dataclass
+class TaskSpec:
+    datasets: dict[str, Dataset]  # "train", "validation", "test": map-style, ds[i] is a row that collate takes
+    collate: Callable[[list], dict]  # rows -> a batch: a dict of tensors, rows first, targets under "labels"
+    build_model: Callable[[], torch.nn.Module]  # the model to train; the loop calls it once, where it chooses
+    objective: Objective
+    # rows -> an input batch of that many rows at a row size (None: the task's only size), on a device: the loop
+    # counts FLOPs on the meta device with it, and --batch-size auto tries steps on it
+    example_batch: Callable[[int, int | None, torch.device | str], dict]
+    # writes the hand-over artifact: (the best model's full weights, the trained model for its structure, folder)
+    export: Callable[[dict, torch.nn.Module, Path], None]
+    meta: dict  # what defines the model and its outputs (source, labels): checkpoints record it, resume compares it
+    # each row's size per split (tokens for text): training groups similar sizes, evaluation sorts by size
+    sizes: dict[str, Sequence[int]] | None = None
+    row_sizes: Callable[[dict], torch.Tensor] | None = None  # a batch's size per row (real tokens): tokens/s, MFU
+    max_size: int | None = None  # the largest row size (max tokens): FLOPs are fitted up to it, batches probed at it
+    blocks: tuple[type, ...] = ()  # the model's repeated blocks: sharded one by one, recomputed in backward
+    notes: list[str] = field(default_factory=list)  # what preparing the data did that a user should know
