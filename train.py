@@ -1,8 +1,8 @@
 """Train a model with Lightning Fabric; the job itself (data, model, loss, metrics, export) is the task's.
 
-    python train.py --demo                                        # offline, CPU, about a minute
-    python train.py --dataset ../shared/data/imdb --model PATH --devices 2
-    fabric run --devices 4 --strategy deepspeed_stage_2 train.py --dataset stanfordnlp/imdb
+    python train.py [task flags]                                  # one device; `--help` lists every flag
+    python train.py --devices 2 --strategy fsdp2 [task flags]
+    fabric run --devices 4 --strategy deepspeed_stage_2 train.py [task flags]
 
 Fabric launches the processes, places model, optimizer and batches, and runs backward; everything else is the
 plain PyTorch loop below, meant to be edited. It reads top to bottom in the order it runs:

@@ -59,13 +59,14 @@ class TrainBatchSampler(Sampler[list[int]]):
 
 
 class EvalBatchSampler(Sampler[list[int]]):
-    """Rank r scores rows r, r + W, r + 2W, ... sorted by length; ranks one row short repeat their last row."""
+    """Rank r scores rows r, r + W, r + 2W, ... sorted by length; ranks one row short repeat their last row (a rank
+    with none at all, where the split has fewer rows than there are ranks, repeats the first)."""
 
     def __init__(self, lengths, batch_size, num_replicas=1, rank=0):
         mine = sorted(range(rank, len(lengths), num_replicas), key=lambda i: lengths[i], reverse=True)
         self.num_real = len(mine)
         per_rank = math.ceil(len(lengths) / num_replicas)
-        self.indices = mine + mine[-1:] * (per_rank - len(mine))
+        self.indices = mine + (mine[-1:] or [0]) * (per_rank - len(mine))
         self.batch_size = batch_size
 
     def __iter__(self):

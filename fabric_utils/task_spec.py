@@ -8,6 +8,8 @@ A task module provides:
   command line still wins.
 - ``PRESETS`` (optional): ``{flag: {loop flag: default}}``, defaults a task flag brings when it is set (a larger
   learning rate for adapters, say). ``--config`` and the command line win over them.
+- ``TEST_FLAGS``: the task's flags for a small offline run that learns in about a minute on two CPU cores: the
+  infrastructure tests (``tests/infra``) train whatever ``task.py`` is with them.
 - ``setup(args, verbose) -> TaskSpec``: built from the parsed flags, whole. It runs on every rank, local rank 0 of
   each node first, so it may cache what it prepares (tokenization, downloads) for the others to read. ``verbose``
   is false on every rank but the first and under ``--quiet``.

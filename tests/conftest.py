@@ -1,7 +1,10 @@
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -78,3 +81,59 @@ def train(args: list, out_dir: Path, **kwargs) -> dict:
 
 def fabric_cli() -> str:
     return str(Path(sys.executable).with_name("fabric"))
+
+
+class Job:
+    """``python train.py ...`` running in the background, its output in ``<out_dir>.log``."""
+
+    def __init__(self, out_dir: Path, *flags: str):
+        self.out_dir = out_dir
+        self.log = out_dir.with_name(out_dir.name + f"-{time.monotonic_ns()}.log")
+        self.command = [sys.executable, "train.py", "--out-dir", str(out_dir), *flags]
+        with open(self.log, "w") as log:
+            # own process group: a test can wait for every process of a multi-process run
+            self.proc = subprocess.Popen(self.command, cwd=REPO, env=subprocess_env(), stdout=log, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+
+    def wait(self, timeout=300) -> int:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            raise AssertionError(f"{self.command} ran over {timeout} s\n{self.output()[-3000:]}")
+
+    def output(self) -> str:
+        return self.log.read_text()
+
+    def results(self) -> dict:
+        rc = self.wait()
+        assert rc == 0, f"{self.command} exited {rc}\n{self.output()[-5000:]}"
+        return json.loads((self.out_dir / "results.json").read_text())
+
+    def wait_for(self, path: Path, timeout=300) -> None:
+        """Polls until ``path`` exists; fails if the run ends first."""
+        deadline = time.monotonic() + timeout
+        while not path.exists():
+            assert self.proc.poll() is None, (f"run ended (exit {self.proc.returncode}) before {path} appeared\n"
+                                              f"{self.output()[-3000:]}")
+            assert time.monotonic() < deadline, f"{path} did not appear within {timeout} s"
+            time.sleep(0.01)
+
+    def wait_group(self, timeout=60) -> None:
+        """Waits until every process of the run's group has exited (the ranks a launcher started)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                os.killpg(self.proc.pid, 0)
+            except ProcessLookupError:
+                return
+            if time.monotonic() > deadline:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                raise AssertionError(f"processes of {self.command} still ran {timeout} s after the launcher exited")
+            time.sleep(0.1)
+
+
+def resumed_step(output: str) -> int:
+    found = re.findall(r"resumed from \S+ at step (\d+)", output)
+    assert found, f"the run did not resume:\n{output[-3000:]}"
+    return int(found[-1])

@@ -180,9 +180,9 @@ def build_cases(tmp: Path) -> tuple[list, dict]:
          f"cannot restore checkpoint {bad_rng}: its rng-rank0.pt is damaged", False),
         ("checkpoint_other_labels", ["--model", MODEL, "--dataset", str(other_labels), *QUICK,
                                      "--resume", str(good_ckpt)], 2,
-         "was written for labels ['negative', 'positive'], but the data has labels ['bad', 'good']", False),
+         "was written with labels ['negative', 'positive'], not ['bad', 'good']", False),
         ("checkpoint_other_model", ["--model", str(other_model), "--dataset", str(ok), *QUICK,
-                                    "--resume", str(good_ckpt)], 2, f"was written for model {MODEL}", False),
+                                    "--resume", str(good_ckpt)], 2, f"was written with model {MODEL}", False),
         ("out_dir_under_a_file", [*data, "--out-dir", str(tmp / "a_file" / "run")], 2,
          "cannot write to output folder", False),
     ]

@@ -1,12 +1,10 @@
-"""Loading, carving, tokenizing and batching."""
+"""The text task's data: loading, carving, tokenizing and padding."""
 
 import pandas as pd
 import pytest
-import torch
 
-from data.batching import EvalBatchSampler, TrainBatchSampler, make_collator
 from data.sources import load_splits
-from data.tokenize import tokenize_splits
+from data.tokenize import make_collator, tokenize_splits
 from fabric_utils.errors import UserError
 
 REVIEWS = [("a great film", "pos"), ("dull and slow", "neg"), ("quite good", "pos"), ("awful", "neg"),
@@ -76,48 +74,6 @@ def test_tokenize_is_cached(tmp_path, demo_tokenizer, monkeypatch):
     assert second["train"]["input_ids"] == first["train"]["input_ids"]
     assert max(first["train"]["length"]) <= 16
     assert "text" not in first["train"].column_names
-
-
-def test_train_sampler_covers_every_row_once_per_epoch_on_two_ranks():
-    lengths = [(i * 37) % 101 + 1 for i in range(203)]  # odd count: one row is repeated to share evenly
-    epochs = []
-    for epoch in range(2):
-        per_rank = []
-        for rank in range(2):
-            sampler = TrainBatchSampler(lengths, batch_size=8, num_replicas=2, rank=rank, seed=5)
-            sampler.set_epoch(epoch)
-            per_rank.append([i for batch in sampler for i in batch])
-            assert len(list(sampler)) == len(sampler)
-        assert len(per_rank[0]) == len(per_rank[1]) == 102  # equal work, so no rank waits in an all-reduce
-        seen = per_rank[0] + per_rank[1]
-        assert set(seen) == set(range(203)) and len(seen) == 204
-        assert len(set(per_rank[0]) & set(per_rank[1])) <= 1  # each rank different rows but the one pad
-        epochs.append(seen)
-    assert epochs[0] != epochs[1]  # reshuffled every epoch
-
-
-def test_length_grouping_cuts_padding_and_resumes_mid_epoch():
-    g = torch.Generator().manual_seed(0)
-    lengths = torch.randint(5, 500, (2000,), generator=g).tolist()
-
-    def padded_tokens(group):
-        sampler = TrainBatchSampler(lengths, batch_size=16, seed=1, group_by_length=group)
-        return sum(len(b) * max(lengths[i] for i in b) for b in sampler)
-    assert padded_tokens(True) < 0.6 * padded_tokens(False)
-    sampler = TrainBatchSampler(lengths, batch_size=16, seed=1)
-    sampler.set_epoch(3)
-    full = list(sampler)
-    sampler.set_epoch(3, start_batch=40)
-    assert list(sampler) == full[40:] and len(sampler) == len(full) - 40
-
-
-def test_eval_sampler_scores_every_row_exactly_once_on_two_ranks():
-    lengths = [(i * 13) % 50 + 1 for i in range(101)]
-    samplers = [EvalBatchSampler(lengths, batch_size=8, num_replicas=2, rank=r) for r in range(2)]
-    assert len(samplers[0]) == len(samplers[1])  # same number of batches: sharded forwards stay in step
-    real = [s.indices[:s.num_real] for s in samplers]
-    assert sorted(real[0] + real[1]) == list(range(101))
-    assert sum(len(b) for b in samplers[1]) == samplers[1].num_real + 1  # the short rank repeats one row
 
 
 def test_collator_pads_per_batch_or_to_max_length(demo_tokenizer):

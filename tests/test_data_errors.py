@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from conftest import run
-from data.batching import make_collator, make_dataloaders
 from data.demo import prepare_demo
 from data.sources import load_splits
-from data.tokenize import tokenize_splits
+from data.tokenize import make_collator, tokenize_splits
+from fabric_utils.loaders import make_dataloaders
 from fabric_utils.errors import UserError
 import task
 
@@ -228,7 +228,10 @@ def test_tokenized_batches_of_new_label_types_feed_the_model_loss(tmp_path, demo
     frame(labels * 10, texts=[" ".join(["good film"] * (i % 7 + 1)) for i in range(40)]).to_parquet(path)
     data = load_splits(path, seed=0)
     tokenized = tokenize_splits(data.splits, demo_tokenizer, "text", max_length=32)
-    loaders = make_dataloaders(tokenized, make_collator(demo_tokenizer, False, 32, 8), batch_size=8,
+    loaders = make_dataloaders({name: split.remove_columns("length").with_format("torch")
+                                for name, split in tokenized.items()},
+                               make_collator(demo_tokenizer, False, 32, 8),
+                               {name: split["length"] for name, split in tokenized.items()}, batch_size=8,
                                eval_batch_size=8, world_size=1, rank=0, seed=0, group_by_length=True,
                                num_workers=0, pin_memory=False)
     batch = next(iter(loaders["train"]))
@@ -239,4 +242,4 @@ def test_tokenized_batches_of_new_label_types_feed_the_model_loss(tmp_path, demo
     model.eval()  # no dropout: the two forwards below must agree
     hf_loss = model(**batch).loss  # transformers' own loss for the problem type
     objective = task.Objective(data.problem_type, num_labels=len(data.label_names))
-    torch.testing.assert_close(objective.loss(task.forward(model, batch), batch), hf_loss)  # the template's
+    torch.testing.assert_close(objective.loss(objective.forward(model, batch), batch), hf_loss)  # the template's

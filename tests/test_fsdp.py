@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, subprocess_env
-from test_resilience import EXPORT_CHECK, TINY, Job, resumed_step
+from conftest import REPO, Job, resumed_step, subprocess_env
+from test_resilience import EXPORT_CHECK, TINY
 
 # TINY's 100 steps of 16 rows, as 8 rows on each of two processes. 65 test rows in batches of 32 leave rank 1 a last
 # batch of its repeated row only, which it must still run forward (the blocks' all-gathers are collectives)
@@ -40,7 +40,8 @@ def runs(tmp_path_factory):
     then resumed with --resume auto. The killed run also recomputes the blocks' activations in backward, which must
     not change a number either."""
     root = tmp_path_factory.mktemp("fsdp2")
-    jobs = {"full": Job(root / "full", *FSDP2), "killed": Job(root / "killed", *FSDP2, "--grad-checkpointing")}
+    jobs = {"full": Job(root / "full", *TINY, *FSDP2),
+            "killed": Job(root / "killed", *TINY, *FSDP2, "--grad-checkpointing")}
     try:
         killed = jobs["killed"]
         killed.wait_for(root / "killed" / "checkpoints" / "step-000020")
@@ -48,7 +49,7 @@ def runs(tmp_path_factory):
         killed.wait()
         killed.wait_group()
         assert not (root / "killed" / "results.json").exists(), "the run finished before it was killed"
-        jobs["resumed"] = Job(root / "killed", *FSDP2, "--grad-checkpointing", "--resume", "auto")
+        jobs["resumed"] = Job(root / "killed", *TINY, *FSDP2, "--grad-checkpointing", "--resume", "auto")
         yield jobs
     finally:
         for job in jobs.values():

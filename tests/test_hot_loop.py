@@ -17,7 +17,7 @@ from torch.overrides import TorchFunctionMode
 
 import train
 from conftest import REPO, SMALL_DEMO, train as train_run
-from data.batching import make_collator
+from data.tokenize import make_collator
 
 # Tensor methods that read a value back to the host: on a GPU each one waits for every queued kernel
 HOST_READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__float__,

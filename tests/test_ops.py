@@ -48,12 +48,12 @@ def test_the_training_clock_leaves_out_validations_and_checkpoints():
     """train.py runs validation and checkpoints under ``paused()``: rates, MFU and the study's time to accuracy are
     training time, whatever the validation settings."""
     fabric = build_fabric_from_flags()
-    monitor = Throughput(fabric, peak_tflops=None, flops_of=lambda rows, tokens, tokens_sq: 0.0)
+    monitor = Throughput(fabric, peak_tflops=None, flops_of=lambda rows, tokens, tokens_sq: 0.0, sized=True)
     monitor.start(step=0)
     time.sleep(0.2)
     with monitor.paused():
         time.sleep(1.0)
-    monitor.count(torch.tensor([5, 7]))
+    monitor.count(2, torch.tensor([5, 7]))
     logged = monitor.log(step=1)
     result = monitor.stop()
     assert 0.2 <= logged["time"] < 0.7 and 0.2 <= result["train_time_s"] < 0.7

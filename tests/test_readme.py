@@ -25,3 +25,29 @@ def test_quick_start_is_the_ci_command():
     assert "bash scripts/setup.sh && .venv/bin/python train.py --demo" in readme
     assert ".venv/bin/python -m pytest -q" in readme and ".venv/bin/python -m pytest -q" in ci
     assert "bash scripts/setup.sh" in ci
+
+
+def layout_rows(readme: str) -> list[tuple[list[str], list[str]]]:
+    """The README's layout table: each row's paths (later names in a cell share the first one's folder) and its
+    line counts."""
+    table = readme.split("Layout (lines, purpose", 1)[1].split("\n\n", 2)[1]
+    rows = []
+    for line in table.splitlines()[2:]:
+        files, lines = line.split("|")[1:3]
+        names = re.findall(r"`([^`]+)`", files)
+        folder = names[0].rsplit("/", 1)[0] + "/" if "/" in names[0].rstrip("/") else ""
+        rows.append(([names[0], *(folder + name for name in names[1:])], [n.strip() for n in lines.split(",")]))
+    return rows
+
+
+def count_lines(path: str) -> int:
+    files = sorted((REPO / path).glob("*.py")) if path.endswith("/") else [REPO / path]
+    return sum(len(f.read_text().splitlines()) for f in files)
+
+
+def test_the_layout_tables_line_counts_are_the_files():
+    rows = layout_rows((REPO / "README.md").read_text())
+    assert len(rows) > 10
+    wrong = {path: (int(typed), count_lines(path)) for paths, counts in rows for path, typed in zip(paths, counts)
+             if int(typed) != count_lines(path)}
+    assert wrong == {}, "README layout table (typed, actual): " + str(wrong)

@@ -11,14 +11,12 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO, subprocess_env
+from conftest import Job, resumed_step, subprocess_env
 
-ROOT = REPO
 EXIT_PREEMPTED = 75
 STEPS_PER_EPOCH = 50  # 800 rows / 16 per batch
 MAX_STEPS = 2 * STEPS_PER_EPOCH
@@ -27,62 +25,6 @@ TINY = ["--demo", "--accelerator", "cpu", "--precision", "32-true", "--num-worke
         "--train-size", "800", "--val-size", "48", "--test-size", "64", "--batch-size", "16", "--epochs", "2",
         "--lr", "4e-3", "--save-every", "10", "--log-every", "5", "--quiet"]
 COMPARED = ("val_loss", "val_acc", "test_loss", "test_acc")
-
-
-class Job:
-    """``python train.py ...`` running in the background, its output in ``<out_dir>.log``."""
-
-    def __init__(self, out_dir: Path, *extra: str, base=TINY):
-        self.out_dir = out_dir
-        self.log = out_dir.with_name(out_dir.name + f"-{time.monotonic_ns()}.log")
-        self.command = [sys.executable, "train.py", *base, "--out-dir", str(out_dir), *extra]
-        with open(self.log, "w") as log:
-            # own process group: a test can wait for every process of a multi-process run
-            self.proc = subprocess.Popen(self.command, cwd=ROOT, env=subprocess_env(), stdout=log, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
-
-    def wait(self, timeout=300) -> int:
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            raise AssertionError(f"{self.command} ran over {timeout} s\n{self.output()[-3000:]}")
-
-    def output(self) -> str:
-        return self.log.read_text()
-
-    def results(self) -> dict:
-        rc = self.wait()
-        assert rc == 0, f"{self.command} exited {rc}\n{self.output()[-5000:]}"
-        return json.loads((self.out_dir / "results.json").read_text())
-
-    def wait_for(self, path: Path, timeout=300) -> None:
-        """Polls until ``path`` exists; fails if the run ends first."""
-        deadline = time.monotonic() + timeout
-        while not path.exists():
-            assert self.proc.poll() is None, (f"run ended (exit {self.proc.returncode}) before {path} appeared\n"
-                                              f"{self.output()[-3000:]}")
-            assert time.monotonic() < deadline, f"{path} did not appear within {timeout} s"
-            time.sleep(0.01)
-
-    def wait_group(self, timeout=60) -> None:
-        """Waits until every process of the run's group has exited (the ranks a launcher started)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                os.killpg(self.proc.pid, 0)
-            except ProcessLookupError:
-                return
-            if time.monotonic() > deadline:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                raise AssertionError(f"processes of {self.command} still ran {timeout} s after the launcher exited")
-            time.sleep(0.1)
-
-
-def resumed_step(output: str) -> int:
-    found = re.findall(r"resumed from \S+ at step (\d+)", output)
-    assert found, f"the run did not resume:\n{output[-3000:]}"
-    return int(found[-1])
 
 
 def step_dirs(out_dir: Path) -> list[str]:
@@ -110,8 +52,9 @@ def runs(tmp_path_factory):
     """Starts together: an uninterrupted run, one to SIGKILL mid-epoch, one to SIGTERM mid-epoch and one with an
     absurd learning rate; then resumes the two interrupted ones (also together)."""
     root = tmp_path_factory.mktemp("resilience")
-    jobs = {"full": Job(root / "full"), "killed": Job(root / "killed"), "termed": Job(root / "termed"),
-            "nonfinite": Job(root / "nonfinite", "--lr", "1e6", "--grad-clip", "0", "--max-steps", "40")}
+    jobs = {"full": Job(root / "full", *TINY), "killed": Job(root / "killed", *TINY),
+            "termed": Job(root / "termed", *TINY),
+            "nonfinite": Job(root / "nonfinite", *TINY, "--lr", "1e6", "--grad-clip", "0", "--max-steps", "40")}
 
     killed, termed = jobs["killed"], jobs["termed"]
     killed.wait_for(root / "killed" / "checkpoints" / "step-000020")  # rename: the folder is complete once seen
@@ -123,8 +66,8 @@ def runs(tmp_path_factory):
             "termed_rc": termed.wait(), "termed_output": termed.output(), "termed_steps": step_dirs(root / "termed")}
 
     plant_damaged_checkpoints(root / "killed" / "checkpoints")
-    jobs["killed_resume"] = Job(root / "killed", "--resume", "auto")
-    jobs["termed_resume"] = Job(root / "termed", "--resume", "auto")
+    jobs["killed_resume"] = Job(root / "killed", *TINY, "--resume", "auto")
+    jobs["termed_resume"] = Job(root / "termed", *TINY, "--resume", "auto")
     yield jobs, info
     for job in jobs.values():
         if job.proc.poll() is None:
@@ -239,7 +182,7 @@ def test_sigterm_to_the_launcher_of_two_cpu_processes(tmp_path):
     next check, both save, every process exits and the launcher's status is 75; --resume auto then finishes."""
     out = tmp_path / "ddp"
     ddp = ["--devices", "2", "--strategy", "ddp", "--save-every", "5", "--max-steps", "20"]
-    job = Job(out, *ddp)
+    job = Job(out, *TINY, *ddp)
     job.wait_for(out / "checkpoints" / "step-000005")
     job.proc.send_signal(signal.SIGTERM)  # the launcher only, not its process group
     rc = job.wait()
@@ -250,7 +193,7 @@ def test_sigterm_to_the_launcher_of_two_cpu_processes(tmp_path):
     assert stopped, output[-3000:]
     step = int(stopped.group(1))
     assert (out / "checkpoints" / f"step-{step:06d}" / "rng-rank1.pt").is_file()
-    resumed = Job(out, *ddp, "--resume", "auto")
+    resumed = Job(out, *TINY, *ddp, "--resume", "auto")
     results = resumed.results()
     resumed.wait_group()
     assert resumed_step(resumed.output()) == step
@@ -286,9 +229,9 @@ def test_checkpoint_meta_accepts_another_spelling_of_the_same_model_folder(tmp_p
     monkeypatch.chdir(tmp_path)
     labels = ["negative", "positive"]
     _check_meta(tmp_path, {"model": "model", "labels": labels}, {"model": str(tmp_path / "model"), "labels": labels})
-    with pytest.raises(UserError, match="was written for model"):
+    with pytest.raises(UserError, match="was written with model"):
         _check_meta(tmp_path, {"model": "model", "labels": labels}, {"model": "other", "labels": labels})
-    with pytest.raises(UserError, match="was written for labels"):
+    with pytest.raises(UserError, match="was written with labels"):
         _check_meta(tmp_path, {"model": "model", "labels": labels}, {"model": "./model", "labels": ["a", "b"]})
     with pytest.raises(UserError, match="was written with problem_type multi_label, not single_label"):
         _check_meta(tmp_path, {"model": "model", "labels": labels, "problem_type": "multi_label"},

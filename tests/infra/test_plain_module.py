@@ -9,7 +9,7 @@ import pytest
 
 from conftest import REPO, run
 
-JOB = str(REPO / "tests" / "plain_module_job.py")
+JOB = str(REPO / "tests" / "infra" / "plain_module_job.py")
 
 
 @pytest.mark.parametrize("strategy", ["ddp"])

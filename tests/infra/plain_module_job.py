@@ -15,7 +15,7 @@ import torch
 from torchmetrics import MetricCollection
 from torchmetrics.regression import MeanSquaredError
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from fabric_utils.checkpoint import find_resume_checkpoint, load_checkpoint, save_checkpoint  # noqa: E402
 from fabric_utils.launcher import build_fabric, launch  # noqa: E402
 from fabric_utils.loggers import make_loggers  # noqa: E402

@@ -1,0 +1,86 @@
+"""The loop runs any task through the contract (fabric_utils/task_spec.py): these tests use only that contract and
+the task's TEST_FLAGS, so they hold for whatever task.py is (CI swaps in examples/vision_task.py and runs them)."""
+
+import argparse
+import ast
+import json
+import signal
+import sys
+
+import pytest
+import torch
+
+import task
+from conftest import REPO, Job, resumed_step, run
+from fabric_utils.args import build_parser
+from fabric_utils.speed import meta_copy
+from fabric_utils.task_spec import TaskSpec
+from train import flag_parser, parse_args
+
+
+@pytest.fixture(scope="module")
+def job() -> TaskSpec:
+    return task.setup(parse_args([*task.TEST_FLAGS, "--quiet"]), verbose=False)
+
+
+def test_the_task_gives_the_loop_what_the_contract_says(job):
+    assert isinstance(job, TaskSpec)
+    assert {name: len(job.datasets[name]) > 0 for name in ("train", "validation", "test")} == dict.fromkeys(
+        ("train", "validation", "test"), True)
+    if job.sizes:
+        assert {name: len(sizes) for name, sizes in job.sizes.items()} == {
+            name: len(dataset) for name, dataset in job.datasets.items()}
+    batch = job.collate([job.datasets["train"][i] for i in range(3)])
+    assert all(isinstance(value, torch.Tensor) and len(value) == 3 for value in batch.values()), batch.keys()
+    model = job.build_model()
+    outputs = job.objective.forward(model, batch)
+    per_row = job.objective.loss(outputs, batch, reduction="none")
+    assert per_row.shape == (3,) and torch.isclose(per_row.mean(), job.objective.loss(outputs, batch))
+    metrics = job.objective.make_metrics()
+    metrics.update(outputs, batch["labels"])
+    assert job.objective.best_metric in metrics.compute()
+    assert job.objective.is_better(1.0, None)
+    for block in job.blocks:
+        assert any(isinstance(module, block) for module in model.modules())
+    if job.row_sizes:  # real rows only, never more than the longest
+        assert (job.row_sizes(batch) <= job.max_size).all()
+    on_meta = meta_copy(model)  # FLOPs are counted on the meta device: the example batch must run there
+    assert job.objective.loss(job.objective.forward(on_meta, job.example_batch(2, None, "meta")),
+                              job.example_batch(2, None, "meta")).device.type == "meta"
+
+
+def task_flags() -> list[str]:
+    """Every option string the task adds to the loop's parser."""
+    loop = {option for action in build_parser("")._actions for option in action.option_strings}
+    return sorted({option for action in flag_parser()._actions for option in action.option_strings} - loop)
+
+
+def test_train_py_and_fabric_utils_name_no_task_flag_and_import_no_task_library():
+    """A new task is a new task.py: the loop and its helpers never name the task's flags or import its libraries."""
+    sources = {path.relative_to(REPO): path.read_text() for path in [REPO / "train.py",
+                                                                      *sorted((REPO / "fabric_utils").glob("*.py"))]}
+    named = {f"{path}: {flag}" for path, text in sources.items() for flag in task_flags() if flag in text}
+    assert task_flags() and named == set()
+    imported = set()
+    for path, text in sources.items():
+        for node in ast.walk(ast.parse(text)):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            imported |= {f"{path}: {n}" for n in names if n.split(".")[0] in ("transformers", "datasets", "peft",
+                                                                               "data", "sklearn")}
+    assert imported == set()
+
+
+@pytest.mark.parametrize("strategy", ["fsdp2", "deepspeed_stage_3"])
+def test_evaluation_scores_every_row_once_whatever_the_split_and_batch(tmp_path, strategy):
+    """1 to 13 rows on 2 processes, in batches of 1 to 50: every row counts once, and the loss does not depend on
+    how rows fall into batches. The old loop hung here (a rank skipped the forward of a repeated-row batch)."""
+    out = tmp_path / "sweep.json"
+    run([sys.executable, "tests/infra/eval_sweep_job.py", strategy, str(out)], timeout=300,
+        deepspeed_cpu=strategy.startswith("deepspeed"))
+    found = json.loads(out.read_text())
+    assert {r["examples"] for r in found if r["rows"] == 13} == {13}
+    for rows in {r["rows"] for r in found}:
+        same = [r for r in found if r["rows"] == rows]
+        assert [r["examples"] for r in same] == [rows] * len(same)
+        assert [r["loss"] for r in same] == pytest.approx([same[0]["loss"]] * len(same), rel=1e-4), rows
