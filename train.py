@@ -105,7 +105,7 @@ def main(fabric, args, out_dir: Path) -> dict:
 
     state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "step": 0, "epoch": 0,
              "batch_in_epoch": 0, "best_val": {}, "meta": job.meta, "config": vars(args)}
-    resume_from = find_resume_checkpoint(args.resume, out_dir / "checkpoints")
+    resume_from = find_resume_checkpoint(args.resume, out_dir / "checkpoints", report=fabric.print)
     if resume_from:
         load_checkpoint(fabric, resume_from, state, expected_meta=job.meta)
         fabric.print(f"resumed from {resume_from} at step {state['step']}")

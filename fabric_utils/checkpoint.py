@@ -1,13 +1,17 @@
 """Atomic, resumable checkpoints through ``fabric.save`` / ``fabric.load`` (so FSDP and DeepSpeed shard them).
 
-A checkpoint is a folder ``<root>/step-000123/`` holding ``state`` (a file, or a folder for sharded strategies) and
-one ``rng-rank<r>.pt`` per rank. It is written as ``.tmp-step-000123`` and renamed only once every rank has
-finished, so a folder without the ``.tmp-`` prefix is always complete; ``--resume auto`` never sees a partial one.
+A checkpoint is a folder ``<root>/step-000123/`` holding ``state`` (a file, or a folder for sharded strategies),
+one ``rng-rank<r>.pt`` per rank, and ``manifest.json``: every other file and its size. It is written as
+``.tmp-step-000123`` and renamed only once every rank has finished, so a folder without the ``.tmp-`` prefix was
+complete when written; ``--resume auto`` checks it against its manifest (a disk, a copy or a hand can damage it
+later) and resumes from the newest whole one.
 """
 
+import json
 import random
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +20,7 @@ import torch
 from fabric_utils.errors import UserError
 
 STEP_PATTERN = re.compile(r"^step-(\d+)$")
+MANIFEST = "manifest.json"
 
 
 def rng_state() -> dict:
@@ -51,36 +56,64 @@ def save_checkpoint(fabric, root: Path, tag: str, state: dict, keep_last: int | 
     torch.save(rng_state(), tmp / f"rng-rank{fabric.global_rank}.pt")
     fabric.barrier()
     if fabric.is_global_zero:
+        write_manifest(tmp)
         old = root / f".old-{tag}"
         if final.exists():  # replace (only "best" is ever rewritten): the old copy goes only after the new is in place
             final.rename(old)
         tmp.rename(final)
         shutil.rmtree(old, ignore_errors=True)
-        if keep_last:
+        if keep_last:  # never the one just written, whatever the folder's other names say
             for stale in step_checkpoints(root)[:-keep_last]:
-                shutil.rmtree(stale)
+                if stale != final:
+                    shutil.rmtree(stale)
     fabric.barrier()
     return final
 
 
-def is_complete(path: Path) -> bool:
-    """Whether ``path`` holds a whole checkpoint: a non-empty ``state`` and rank 0's RNG file, which is written after
-    the state. Guards ``--resume auto`` against folders damaged or half-copied by hand (``save_checkpoint`` itself
-    only ever shows complete folders)."""
-    state = path / "state"
+def write_manifest(folder: Path) -> None:
+    files = {str(p.relative_to(folder)): p.stat().st_size for p in sorted(folder.rglob("*")) if p.is_file()}
+    (folder / MANIFEST).write_text(json.dumps(files, indent=0))
+
+
+def damage(path: Path) -> str | None:
+    """What is wrong with checkpoint folder ``path`` (None: nothing): a file its manifest lists that is missing or
+    of another size. A folder written before checkpoints had manifests must hold a non-empty ``state`` and rank 0's
+    RNG file, which is written after the state."""
     try:
-        has_state = state.stat().st_size > 0 if state.is_file() else state.is_dir() and any(state.iterdir())
-    except OSError:
-        return False
-    return has_state and (path / "rng-rank0.pt").is_file()
+        files = json.loads((path / MANIFEST).read_text())
+    except FileNotFoundError:
+        state = path / "state"
+        has_state = state.is_file() and state.stat().st_size > 0 or state.is_dir() and any(state.iterdir())
+        return None if has_state and (path / "rng-rank0.pt").is_file() else "its state or RNG file is missing"
+    except (OSError, ValueError):
+        return f"its {MANIFEST} cannot be read"
+    for name, size in files.items():
+        try:
+            found = (path / name).stat().st_size
+        except OSError:
+            return f"{name} is missing"
+        if found != size:
+            return f"{name} has {found} bytes, not the {size} written"
+    return None
 
 
-def step_checkpoints(root: Path) -> list[Path]:
-    """Complete step checkpoints under ``root``, oldest first."""
+def is_complete(path: Path) -> bool:
+    return damage(path) is None
+
+
+def step_checkpoints(root: Path, report: Callable[[str], None] | None = None) -> list[Path]:
+    """Whole step checkpoints under ``root``, oldest first; ``report`` is told of each damaged one left out."""
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if p.is_dir() and STEP_PATTERN.match(p.name) and is_complete(p)]
-    return sorted(found, key=lambda p: int(STEP_PATTERN.match(p.name).group(1)))
+    found = []
+    for path in sorted((p for p in root.iterdir() if p.is_dir() and STEP_PATTERN.match(p.name)),
+                       key=lambda p: int(STEP_PATTERN.match(p.name).group(1))):
+        problem = damage(path)
+        if problem is None:
+            found.append(path)
+        elif report:
+            report(f"skipping damaged checkpoint {path}: {problem}")
+    return found
 
 
 def recover_replaced(root: Path) -> None:
@@ -96,12 +129,14 @@ def recover_replaced(root: Path) -> None:
                 pass
 
 
-def find_resume_checkpoint(resume: str | None, root: Path) -> Path | None:
+def find_resume_checkpoint(resume: str | None, root: Path, report: Callable[[str], None] = print) -> Path | None:
+    """``--resume``: None, a checkpoint folder, or auto: the newest whole step checkpoint under ``root`` (each
+    damaged one skipped is reported)."""
     if resume is None:
         return None
     if resume == "auto":
         recover_replaced(root)
-        found = step_checkpoints(root)
+        found = step_checkpoints(root, report)
         return found[-1] if found else None
     path = Path(resume)
     if not (path / "state").exists():

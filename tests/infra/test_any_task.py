@@ -1,9 +1,9 @@
 """The loop runs any task through the contract (fabric_utils/task_spec.py): these tests use only that contract and
 the task's TEST_FLAGS, so they hold for whatever task.py is (CI swaps in examples/vision_task.py and runs them)."""
 
-import argparse
 import ast
 import json
+import os
 import signal
 import sys
 
@@ -84,3 +84,33 @@ def test_evaluation_scores_every_row_once_whatever_the_split_and_batch(tmp_path,
         same = [r for r in found if r["rows"] == rows]
         assert [r["examples"] for r in same] == [rows] * len(same)
         assert [r["loss"] for r in same] == pytest.approx([same[0]["loss"]] * len(same), rel=1e-4), rows
+
+
+# two CPU processes, exact arithmetic, a checkpoint every 5 steps
+LAUNCH = ["--accelerator", "cpu", "--devices", "2", "--strategy", "ddp", "--precision", "32-true", "--num-workers",
+          "0", "--save-every", "5", "--log-every", "5", "--quiet"]
+
+
+def test_a_run_killed_and_resumed_ends_where_an_uninterrupted_run_ends(tmp_path):
+    """kill -9 of the whole job after its step-5 checkpoint (a lost machine), then --resume auto: the same steps,
+    and the same validation and test figures as a run that was never interrupted (they start together)."""
+    flags = [*task.TEST_FLAGS, *LAUNCH]
+    jobs = {"full": Job(tmp_path / "full", *flags), "killed": Job(tmp_path / "killed", *flags)}
+    try:
+        killed = jobs["killed"]
+        killed.wait_for(tmp_path / "killed" / "checkpoints" / "step-000005")
+        os.killpg(killed.proc.pid, signal.SIGKILL)
+        killed.wait()
+        killed.wait_group()
+        assert not (tmp_path / "killed" / "results.json").exists(), "the run finished before it was killed"
+        jobs["resumed"] = Job(tmp_path / "killed", *flags, "--resume", "auto")
+        full, resumed = jobs["full"].results(), jobs["resumed"].results()
+    finally:
+        for job in jobs.values():
+            if job.proc.poll() is None:
+                os.killpg(job.proc.pid, signal.SIGKILL)
+    assert resumed_step(jobs["resumed"].output()) >= 5
+    assert resumed["steps"] == full["steps"] and full["world_size"] == 2
+    scores = [key for key in full if key.startswith(("val_", "test_"))]
+    assert {"test_loss", "test_examples", "val_loss"} <= set(scores)
+    assert {key: resumed[key] for key in scores} == pytest.approx({key: full[key] for key in scores}, abs=1e-4)

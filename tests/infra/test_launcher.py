@@ -1,7 +1,5 @@
 """The launcher builds the right Fabric pieces from flags, alone and under `fabric run`."""
 
-from pathlib import Path
-
 import lightning.fabric.fabric
 import pytest
 import torch
@@ -13,15 +11,12 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (Checkpo
                                                                          apply_activation_checkpointing,
                                                                          checkpoint_wrapper)
 
-from conftest import SMALL_DEMO, build_fabric_from_flags, fabric_cli, run
-from data.demo import prepare_demo
+import task
+from conftest import build_fabric_from_flags, fabric_cli, run
 from fabric_utils import launcher
 from fabric_utils.errors import UserError
 from fabric_utils.sharding import block_classes
-from task import build_model
 from train import parse_args
-
-LABELS = ["negative", "positive"]
 
 
 def fabric_for(*flags):
@@ -91,12 +86,13 @@ def test_fsdp_on_gpu_shards_each_block():
     assert sum(isinstance(m, CheckpointWrapper) for m in model.modules()) == 3
 
 
-def demo_model() -> str:
-    return str(prepare_demo(Path.home() / ".cache" / "fabric-template" / "demo")[1])
-
-
 def demo_bert():
-    return build_model(demo_model(), LABELS, "single_label", attention_dropout=0.0, hidden_dropout=None)
+    """A two-layer BERT: Hugging Face models name their blocks in ``_no_split_modules`` (here BertEmbeddings and
+    BertLayer)."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    return BertForSequenceClassification(BertConfig(vocab_size=32, hidden_size=8, num_hidden_layers=2,
+                                                    num_attention_heads=2, intermediate_size=16))
 
 
 def wrapped_by(policy, model) -> list[str]:
@@ -112,7 +108,7 @@ def test_fsdp_shards_and_checkpoints_each_transformer_block(name):
     strategy = launcher.build_strategy({"strategy": name}, grad_checkpointing=True)
     assert type(strategy) is FSDPStrategy
     assert strategy.cpu_offload.offload_params == (name == "fsdp_cpu_offload")
-    blocks = ["BertEmbeddings", "BertLayer", "BertLayer"]  # the demo BERT's _no_split_modules, two layers
+    blocks = ["BertEmbeddings", "BertLayer", "BertLayer"]  # its _no_split_modules, two layers
     assert wrapped_by(strategy._fsdp_kwargs["auto_wrap_policy"], demo_bert()) == blocks
     assert wrapped_by(strategy._activation_checkpointing_kwargs["auto_wrap_policy"], demo_bert()) == blocks
     assert launcher.build_strategy({"strategy": name}, grad_checkpointing=False)._activation_checkpointing_kwargs == {}
@@ -223,7 +219,7 @@ def test_fabric_run_conflict_end_to_end(tmp_path):
     config file, as when a run saved with one device count is rerun under `fabric run` with another."""
     config = tmp_path / "config.yaml"
     config.write_text("devices: '1'\n")
-    result = run([fabric_cli(), "run", "--accelerator", "cpu", "--devices", "2", "train.py", *SMALL_DEMO,
+    result = run([fabric_cli(), "run", "--accelerator", "cpu", "--devices", "2", "train.py", *task.TEST_FLAGS,
                   "--config", str(config), "--out-dir", str(tmp_path / "run")], check=False, timeout=300)
     assert result.returncode != 0
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
