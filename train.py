@@ -31,7 +31,8 @@ from fabric_utils.loggers import finalize_loggers, make_loggers, plot_metrics, s
 from fabric_utils.optim import build_optimizer, build_scheduler, count_parameters, count_warmup_steps
 from fabric_utils.preemption import Preemption
 from fabric_utils.progress import Progress
-from fabric_utils.run_folder import environment_report, prepare_out_dir, save_config
+from fabric_utils.run_folder import (environment_report, prepare_out_dir, remove_if_unused, run_folder_lock,
+                                     save_config)
 from fabric_utils.sharding import declare_blocks, recompute_blocks, setup_model_and_optimizer
 from fabric_utils.task_spec import TaskSpec
 from fabric_utils.speed import (Throughput, compile_model, configure_backends, default_num_workers, peak_memory_mb, training_flops_fn,
@@ -52,17 +53,22 @@ def parse_args(argv=None):
 @exit_on_user_error
 def setup(argv=None) -> dict:
     args = parse_args(argv)
-    out_dir = prepare_out_dir(args.out_dir)
-    loggers = make_loggers(args.logger, out_dir, project=args.tracker_project,  # a resume continues tracked runs
-                           resume_ids=saved_tracker_ids(out_dir) if args.resume else None)
-    fabric = build_fabric(accelerator=args.accelerator, devices=args.devices, num_nodes=args.num_nodes,
-                          strategy=args.strategy, precision=args.precision, grad_clip=args.grad_clip,
-                          grad_checkpointing=args.grad_checkpointing,
-                          loggers=loggers)                                                   # Fabric step 1
-    warn_if_updates_vanish(fabric.strategy.precision, lr=args.lr)
-    launch(fabric)                                                                           # Fabric step 2
-    out_dir = Path(fabric.broadcast(str(out_dir)))  # ranks started apart in time agree on rank 0's folder
-    return main(fabric, args, out_dir)
+    out_dir, created = prepare_out_dir(args.out_dir, resume=args.resume)
+    try:
+        loggers = make_loggers(args.logger, out_dir, project=args.tracker_project,  # a resume continues tracked runs
+                               resume_ids=saved_tracker_ids(out_dir) if args.resume else None)
+        fabric = build_fabric(accelerator=args.accelerator, devices=args.devices, num_nodes=args.num_nodes,
+                              strategy=args.strategy, precision=args.precision, grad_clip=args.grad_clip,
+                              grad_checkpointing=args.grad_checkpointing,
+                              loggers=loggers)                                               # Fabric step 1
+        warn_if_updates_vanish(fabric.strategy.precision, lr=args.lr)
+        launch(fabric)                                                                       # Fabric step 2
+        out_dir = Path(fabric.broadcast(str(out_dir)))  # ranks started apart in time agree on rank 0's folder
+        with run_folder_lock(fabric, out_dir):
+            return main(fabric, args, out_dir)
+    finally:
+        if created:  # a start that failed before writing anything leaves no folder behind
+            remove_if_unused(out_dir)
 
 
 def main(fabric, args, out_dir: Path) -> dict:
@@ -82,8 +88,6 @@ def main(fabric, args, out_dir: Path) -> dict:
     if args.grad_checkpointing and not strategy_checkpoints_blocks(fabric.strategy):
         recompute_blocks(model)  # FSDP and FSDP2 recompute the blocks they shard themselves
     params = count_parameters(model)  # now, while every rank holds every weight (no strategy has sharded them)
-    save_config(fabric, args, out_dir)  # only now: bad data or model must leave the folder untouched
-    save_tracker_ids(fabric, out_dir)  # starts the tracked runs (MLflow, W&B) and keeps their ids for a resume
 
     step_loss = functools.partial(training_loss, objective)
     flops_of = training_flops_fn(  # FLOPs of forward and backward, for MFU
@@ -103,12 +107,17 @@ def main(fabric, args, out_dir: Path) -> dict:
     scheduler = build_scheduler(torch_optimizer, args.scheduler, lr=args.lr, max_steps=max_steps,
                                 warmup_steps=count_warmup_steps(args.warmup, max_steps))
 
+    # what a resume must continue: the task's model and data, and this loop's optimization
+    meta = {**job.meta, **optimization(args, fabric.world_size, max_steps)}
     state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "step": 0, "epoch": 0,
-             "batch_in_epoch": 0, "best_val": {}, "meta": job.meta, "config": vars(args)}
+             "batch_in_epoch": 0, "best_val": {}, "meta": meta, "config": vars(args)}
     resume_from = find_resume_checkpoint(args.resume, out_dir / "checkpoints", report=fabric.print)
     if resume_from:
-        load_checkpoint(fabric, resume_from, state, expected_meta=job.meta)
+        load_checkpoint(fabric, resume_from, state, expected_meta=meta)
         fabric.print(f"resumed from {resume_from} at step {state['step']}")
+    # only now: bad data, model or checkpoint leave the folder as it was; each resumed segment keeps its own flags
+    save_config(fabric, args, out_dir, resumed_at=state["step"] if resume_from else None)
+    save_tracker_ids(fabric, out_dir)  # starts the tracked runs (MLflow, W&B) and keeps their ids for a resume
 
     if fit(fabric, args, state, loaders=loaders, preemption=preemption, ckpt_dir=out_dir / "checkpoints",
            max_steps=max_steps, flops_of=flops_of, job=job):
@@ -117,6 +126,18 @@ def main(fabric, args, out_dir: Path) -> dict:
         preemption.exit(fabric)  # status EXIT_PREEMPTED (75)
     return finish(fabric, args, state, loaders=loaders, out_dir=out_dir, job=job,
                   report={**params, "environment": env})
+
+
+def optimization(args, world_size: int, max_steps: int) -> dict:
+    """What defines the optimization, named by the flags that set it: a resume that changed one would continue
+    another run (the schedule would jump, the batches change mid-epoch)."""
+    return {"--seed": args.seed, "--optimizer": args.optimizer, "--lr": args.lr, "--weight-decay": args.weight_decay,
+            "--scheduler": args.scheduler, "--warmup": args.warmup, "--grad-clip": args.grad_clip,
+            "optimizer steps (--max-steps, --epochs)": max_steps,
+            "rows per optimizer step (--batch-size x devices x --grad-accum)":
+                args.batch_size * world_size * args.grad_accum,
+            # the batches of a resumed epoch depend on it; another count needs resharded checkpoints too
+            "devices (a resume on another number is not supported yet)": world_size}
 
 
 def make_loaders(fabric, args, job: TaskSpec) -> dict:

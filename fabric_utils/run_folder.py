@@ -1,8 +1,11 @@
 """The run folder and what a run records about itself: its flags (config.yaml) and its environment."""
 
+import contextlib
+import fcntl
 import importlib.metadata
 import os
 import platform
+import shutil
 import sys
 from datetime import datetime
 from pathlib import Path
@@ -13,14 +16,21 @@ import yaml
 from fabric_utils.errors import UserError
 
 RUN_DIR_ENV = "FABRIC_TEMPLATE_RUN_DIR"
+LOCK_FILE = ".lock"
 
 
-def prepare_out_dir(out_dir: str | None) -> Path:
-    """The run folder: ``--out-dir``, else a new ``runs/<time>``. The name goes into the environment so processes
-    that Fabric starts from this one pick the same folder (the loop later broadcasts rank 0's choice anyway)."""
+def prepare_out_dir(out_dir: str | None, resume: str | None) -> tuple[Path, bool]:
+    """The run folder, and whether this call created it: ``--out-dir``, else a new ``runs/<time>``. The name goes
+    into the environment so processes that Fabric starts from this one pick the same folder (the loop later
+    broadcasts rank 0's choice anyway). A folder that holds a run already (its config, checkpoints or results) takes
+    only a ``--resume``: a new run there would mix its checkpoints, logs and results with the old run's."""
     if out_dir is None:
         out_dir = os.environ.setdefault(RUN_DIR_ENV, f"runs/{datetime.now():%Y%m%d-%H%M%S}")
     path = Path(out_dir)
+    if resume is None and holds_a_run(path):
+        raise UserError(f"--out-dir {path} holds a run already; continue it with --resume auto, or pass a new "
+                        f"--out-dir")
+    created = not path.exists()
     try:
         path.mkdir(parents=True, exist_ok=True)
         probe = path / f".write-test-{os.getpid()}"
@@ -28,7 +38,39 @@ def prepare_out_dir(out_dir: str | None) -> Path:
         probe.unlink()
     except OSError as err:
         raise UserError(f"cannot write to output folder {path} ({err.strerror}); pass a writable --out-dir") from err
-    return path
+    return path, created
+
+
+def holds_a_run(path: Path) -> bool:
+    return any((path / name).exists() for name in ("config.yaml", "results.json", "checkpoints"))
+
+
+@contextlib.contextmanager
+def run_folder_lock(fabric, out_dir: Path):
+    """One run per folder: global rank 0 holds an exclusive lock on ``out_dir/.lock`` for the run's whole life, and
+    every rank gets the same answer. The operating system drops the lock with its process, so a run that was killed
+    (``kill -9``, a lost node) never blocks its own ``--resume auto``."""
+    lock, held = None, True
+    if fabric.is_global_zero:
+        lock = open(out_dir / LOCK_FILE, "a")
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            held = False
+    if not fabric.broadcast(held):
+        raise UserError(f"another run is using --out-dir {out_dir} right now; let it finish, or pass another "
+                        f"--out-dir")
+    try:
+        yield
+    finally:
+        if lock is not None:
+            lock.close()
+
+
+def remove_if_unused(path: Path) -> None:
+    """Removes a run folder that holds nothing but empty folders and its lock: what a start that failed leaves."""
+    if path.is_dir() and all(p.is_dir() or p.name == LOCK_FILE for p in path.rglob("*")):
+        shutil.rmtree(path)
 
 
 REPORTED_PACKAGES = ("torch", "lightning", "transformers", "datasets", "deepspeed", "peft")
@@ -67,7 +109,9 @@ def _cpu_model() -> str:
     return platform.processor()
 
 
-def save_config(fabric, args, out_dir: Path) -> None:
-    """The resolved flags as ``config.yaml``: ``--config`` reruns it, flags given beside it win."""
+def save_config(fabric, args, out_dir: Path, resumed_at: int | None = None) -> None:
+    """The resolved flags as ``config.yaml`` (``--config`` reruns it, flags given beside it win); a resumed segment's
+    as ``config-resumed-at-step-N.yaml`` beside it, so the run's first flags are never overwritten."""
     if fabric.is_global_zero:
-        (out_dir / "config.yaml").write_text(yaml.safe_dump(vars(args), sort_keys=False))
+        name = "config.yaml" if resumed_at is None else f"config-resumed-at-step-{resumed_at:06d}.yaml"
+        (out_dir / name).write_text(yaml.safe_dump(vars(args), sort_keys=False))

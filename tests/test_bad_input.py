@@ -185,15 +185,18 @@ def build_cases(tmp: Path) -> tuple[list, dict]:
                                     "--resume", str(good_ckpt)], 2, f"was written with model {MODEL}", False),
         ("out_dir_under_a_file", [*data, "--out-dir", str(tmp / "a_file" / "run")], 2,
          "cannot write to output folder", False),
+        ("out_dir_holds_a_run", [*data], 2, "holds a run already; continue it with --resume auto, or pass a new "
+         "--out-dir", False),
     ]
     built = []
     for case_id, args, rc, message, real in cases:
-        if "--out-dir" not in args:  # a folder with a finished run's results, which must stay as it is
+        if "--out-dir" not in args:
             out = tmp / "runs" / case_id
-            (out / "model").mkdir(parents=True)
-            (out / "results.json").write_text(json.dumps({"test_acc": 0.875, "case": case_id}, indent=2))
-            (out / "model" / "config.json").write_text("{}\n")
             args = [*args, "--out-dir", str(out)]
+            if "--resume" in args or case_id == "out_dir_holds_a_run":  # a finished run, which must stay as it is
+                (out / "model").mkdir(parents=True)
+                (out / "results.json").write_text(json.dumps({"test_acc": 0.875, "case": case_id}, indent=2))
+                (out / "model" / "config.json").write_text("{}\n")
         built.append({"id": case_id, "args": args, "rc": rc, "message": message, "real": real,
                       "log": str(tmp / "logs" / case_id)})
     (tmp / "logs").mkdir()
@@ -227,7 +230,7 @@ CASE_IDS = ["unknown_strategy", "unknown_precision", "unknown_accelerator", "16_
             "dataset_empty_file", "dataset_header_only",
             "dataset_not_parquet", "no_text_column", "no_label_column", "negative_labels",
             "more_labels_than_the_model", "model_missing", "resume_missing", "corrupt_checkpoint", "corrupt_rng_file",
-            "checkpoint_other_labels", "checkpoint_other_model", "out_dir_under_a_file"]
+            "checkpoint_other_labels", "checkpoint_other_model", "out_dir_under_a_file", "out_dir_holds_a_run"]
 
 
 def test_the_good_run_works(outcomes):
@@ -260,5 +263,7 @@ def test_bad_input_fails_with_one_error_line_and_touches_nothing(outcomes, case_
         for name, sha in before[case_id].items():  # results.json and the exported model stay byte-identical
             assert after.get(name) == sha, f"{name} in --out-dir was changed or removed"
         assert not (out_dir / "checkpoints").exists()
+    else:  # a start that failed leaves no folder behind
+        assert not out_dir.exists(), sorted(out_dir.rglob("*"))
     if case_id.startswith("checkpoint_"):
         assert (facts["good_ckpt"] / "state").is_file()
