@@ -146,13 +146,41 @@ def parse_flags(parser: argparse.ArgumentParser, argv=None, presets: dict | None
 
 
 def load_config(path: str, parser: argparse.ArgumentParser) -> dict:
+    """The flag values in YAML file ``path``, each checked as the same flag on the command line would be."""
     if not os.path.isfile(path):
         raise UserError(f"config file {path} does not exist")
     with open(path) as f:
-        config = yaml.safe_load(f) or {}
-    known = {a.dest for a in parser._actions}
-    unknown = sorted(set(config) - known)
+        try:
+            config = yaml.safe_load(f) or {}
+        except yaml.YAMLError as err:
+            mark = getattr(err, "problem_mark", None)
+            where = f" line {mark.line + 1}" if mark else ""
+            raise UserError(f"config file {path}{where}: not valid YAML ({getattr(err, 'problem', None) or err})"
+                            ) from err
+    if not isinstance(config, dict):
+        raise UserError(f"config file {path} must map flag names to values (as config.yaml does)")
+    actions = {a.dest: a for a in parser._actions}
+    unknown = sorted(set(config) - set(actions))
     if unknown:
         raise UserError(f"config file {path} has unknown keys {unknown}")
     config.pop("config", None)
+    for name, value in config.items():
+        check_config_value(path, actions[name], value)
     return config
+
+
+def check_config_value(path: str, action: argparse.Action, value) -> None:
+    """A YAML value through the flag's own type and choices (a value of None keeps the flag unset)."""
+    flag = action.option_strings[-1]
+    try:
+        if value is None or isinstance(action, (argparse._StoreTrueAction, argparse.BooleanOptionalAction)):
+            if value is not None and not isinstance(value, bool):
+                raise argparse.ArgumentTypeError(f"must be true or false, got {value!r}")
+            return
+        for item in value if action.nargs in ("+", "*") and isinstance(value, list) else [value]:
+            converted = action.type(str(item)) if action.type else item
+            if action.choices is not None and converted not in action.choices:
+                raise argparse.ArgumentTypeError(f"must be one of {', '.join(map(str, action.choices))}, "
+                                                 f"got {item!r}")
+    except (argparse.ArgumentTypeError, ValueError) as err:
+        raise UserError(f"config file {path}: {action.dest}: {err} (as {flag} on the command line)") from err

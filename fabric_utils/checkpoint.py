@@ -7,6 +7,7 @@ complete when written; ``--resume auto`` checks it against its manifest (a disk,
 later) and resumes from the newest whole one.
 """
 
+import errno
 import json
 import random
 import re
@@ -51,9 +52,18 @@ def save_checkpoint(fabric, root: Path, tag: str, state: dict, keep_last: int | 
     if fabric.is_global_zero and tmp.exists():
         shutil.rmtree(tmp)  # left by a run killed mid-write
     fabric.barrier()
-    tmp.mkdir(parents=True, exist_ok=True)
-    fabric.save(tmp / "state", state)
-    torch.save(rng_state(), tmp / f"rng-rank{fabric.global_rank}.pt")
+    try:
+        tmp.mkdir(parents=True, exist_ok=True)
+        fabric.save(tmp / "state", state)
+        torch.save(rng_state(), tmp / f"rng-rank{fabric.global_rank}.pt")
+    except OSError as err:
+        if err.errno != errno.ENOSPC:
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)  # the space it took, back
+        intact = step_checkpoints(root)
+        raise UserError(f"the disk under {root} is full: checkpoint {tag} was not written; the newest intact one is "
+                        f"{intact[-1] if intact else 'none'}. Free space (or pass --keep-last 1), then rerun with "
+                        f"--resume auto") from err
     fabric.barrier()
     if fabric.is_global_zero:
         write_manifest(tmp)

@@ -119,6 +119,7 @@ def build_fabric(accelerator=None, devices=None, num_nodes=None, strategy=None, 
     except (ValueError, RuntimeError, TypeError, MisconfigurationException) as err:
         raise UserError(f"cannot launch with {settings}: {str(err).splitlines()[0]}") from err
     check_precision_supported(settings["precision"], fabric.strategy.precision.precision, fabric.device)
+    check_cpu_processes(fabric, settings)
     if isinstance(fabric.strategy, DeepSpeedStrategy):
         configure_deepspeed(fabric.strategy, grad_clip)
     return fabric
@@ -158,6 +159,20 @@ def count_processes(settings: dict) -> int:
     devices_of = type(ACCELERATOR_REGISTRY.get(accelerator))
     devices = devices_of.auto_device_count() if settings["devices"] == "auto" else settings["devices"]
     return settings["num_nodes"] * len(devices_of.get_parallel_devices(devices_of.parse_devices(devices)))
+
+
+def check_cpu_processes(fabric: Fabric, settings: dict) -> None:
+    """CPU processes that this script would start beyond the cores it may run on: each trains with its own threads,
+    so the job would crawl (64 on 2 cores sat at start-up for minutes). A launcher that starts the processes itself
+    (torchrun, SLURM) has placed them already."""
+    environment = getattr(fabric.strategy, "cluster_environment", None)
+    if (fabric.device.type != "cpu" or environment is None or environment.creates_processes_externally
+            or launched_by_cli()):
+        return
+    per_node, cores = fabric.world_size // settings["num_nodes"], len(os.sched_getaffinity(0))
+    if per_node > cores:
+        raise UserError(f"--devices {settings['devices']}: {per_node} CPU processes on {cores} cores would crawl; "
+                        f"use --devices {cores} or fewer (or a GPU)")
 
 
 def check_precision_supported(precision: str, built: str, device: torch.device) -> None:

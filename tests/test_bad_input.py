@@ -138,6 +138,9 @@ def build_cases(tmp: Path) -> tuple[list, dict]:
     (bad_rng / "state").symlink_to(good_ckpt / "state")
     (bad_rng / "rng-rank0.pt").write_bytes(b"garbage")
 
+    bad_config, not_yaml = tmp / "bad.yaml", tmp / "not.yaml"
+    bad_config.write_text("lr: -1.0\n")  # a value the flag's own check refuses
+    not_yaml.write_text("lr: 1\n- 2\n")  # a list item inside a mapping
     data = ["--model", MODEL, "--dataset", str(ok), *QUICK]
     cases = [
         # a real run first: its checkpoint is resumed below with another label set and another model
@@ -185,6 +188,12 @@ def build_cases(tmp: Path) -> tuple[list, dict]:
                                     "--resume", str(good_ckpt)], 2, f"was written with model {MODEL}", False),
         ("out_dir_under_a_file", [*data, "--out-dir", str(tmp / "a_file" / "run")], 2,
          "cannot write to output folder", False),
+        ("config_value_checked", [*data, "--config", str(bad_config)], 2,
+         f"config file {bad_config}: lr: must be a positive number, got -1.0 (as --lr on the command line)", False),
+        ("config_not_yaml", [*data, "--config", str(not_yaml)], 2, f"config file {not_yaml} line 2: not valid YAML",
+         False),
+        ("devices_beyond_the_cores", [*data, "--accelerator", "cpu", "--devices", "64"], 2,
+         "--devices 64: 64 CPU processes on", False),
         ("out_dir_holds_a_run", [*data], 2, "holds a run already; continue it with --resume auto, or pass a new "
          "--out-dir", False),
     ]
@@ -230,7 +239,8 @@ CASE_IDS = ["unknown_strategy", "unknown_precision", "unknown_accelerator", "16_
             "dataset_empty_file", "dataset_header_only",
             "dataset_not_parquet", "no_text_column", "no_label_column", "negative_labels",
             "more_labels_than_the_model", "model_missing", "resume_missing", "corrupt_checkpoint", "corrupt_rng_file",
-            "checkpoint_other_labels", "checkpoint_other_model", "out_dir_under_a_file", "out_dir_holds_a_run"]
+            "checkpoint_other_labels", "checkpoint_other_model", "out_dir_under_a_file", "config_value_checked",
+            "config_not_yaml", "devices_beyond_the_cores", "out_dir_holds_a_run"]
 
 
 def test_the_good_run_works(outcomes):

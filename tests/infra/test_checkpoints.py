@@ -1,11 +1,15 @@
 """What --resume auto trusts: each checkpoint records its files and their sizes, a damaged newest one is skipped for
 the newest whole one (with a line naming it), and --keep-last never deletes the checkpoint just written."""
 
+import errno
 from pathlib import Path
 
+import pytest
 import torch
 
+from fabric_utils import checkpoint
 from fabric_utils.checkpoint import find_resume_checkpoint, save_checkpoint
+from fabric_utils.errors import UserError
 from fabric_utils.launcher import build_fabric
 
 
@@ -33,3 +37,15 @@ def test_keep_last_never_deletes_the_checkpoint_just_written(tmp_path):
     save_steps(tmp_path, (500,))  # another run's, numbered higher
     save_steps(tmp_path, (10,), keep_last=1)
     assert (tmp_path / "step-000010" / "state").is_file()
+
+
+def test_a_full_disk_is_one_line_that_names_the_intact_checkpoint(tmp_path, monkeypatch):
+    save_steps(tmp_path, (5,))
+
+    def no_space(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(checkpoint.torch, "save", no_space)
+    with pytest.raises(UserError, match=f"the disk under {tmp_path} is full: checkpoint step-000010 was not written; "
+                                        f"the newest intact one is {tmp_path / 'step-000005'}"):
+        save_steps(tmp_path, (10,))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000005"]
