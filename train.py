@@ -35,8 +35,8 @@ from fabric_utils.run_folder import (environment_report, prepare_out_dir, remove
                                      save_config)
 from fabric_utils.sharding import declare_blocks, recompute_blocks, setup_model_and_optimizer
 from fabric_utils.task_spec import TaskSpec
-from fabric_utils.speed import (Throughput, compile_model, configure_backends, default_num_workers, peak_memory_mb, training_flops_fn,
-                                warm_up)
+from fabric_utils.speed import (Throughput, compile_model, configure_backends, default_num_workers,
+                                peak_memory_per_rank, training_flops_fn, warm_up)
 
 
 def flag_parser():
@@ -278,7 +278,8 @@ def finish(fabric, args, state, loaders, out_dir, job: TaskSpec, report) -> dict
         "train_examples": len(job.datasets["train"]), "steps": state["step"],
         "epochs": state["epoch"] + (state["batch_in_epoch"] > 0), "world_size": fabric.world_size,
         "precision": fabric.strategy.precision.precision, "strategy": type(fabric.strategy).__name__,
-        **state["throughput"], "peak_memory_mb": peak_memory_mb(fabric.device), **report, "config": vars(args),
+        **state["throughput"], "peak_memory_mb_per_rank": peak_memory_per_rank(fabric), **report,
+        "config": vars(args),
     }
     finalize_loggers(fabric.loggers)  # flushes metrics.csv, which the plots read; ends the tracked runs
     if fabric.is_global_zero:

@@ -159,3 +159,9 @@ def peak_memory_mb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def peak_memory_per_rank(fabric) -> list[float]:
+    """Every rank's ``peak_memory_mb``, in rank order: sharding is judged by what each rank holds, not rank 0."""
+    peak = torch.tensor([peak_memory_mb(fabric.device)], dtype=torch.float64, device=fabric.device)
+    return fabric.all_gather(peak).flatten().tolist()

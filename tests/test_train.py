@@ -24,7 +24,7 @@ def test_demo_learns_and_leaves_a_complete_run_folder(tmp_path):
     for name in ("config.yaml", "loss.png", "acc.png", "logs/version_0/metrics.csv", "model/config.json",
                  "model/tokenizer.json", "checkpoints/best/state"):
         assert (tmp_path / name).exists(), name
-    assert {"train_tokens_per_s", "train_samples_per_s", "peak_memory_mb", "train_time_s", "environment",
+    assert {"train_tokens_per_s", "train_samples_per_s", "peak_memory_mb_per_rank", "train_time_s", "environment",
             "config"} <= set(results)
     assert json.loads((tmp_path / "model" / "config.json").read_text())["id2label"] == {"0": "negative",
                                                                                       "1": "positive"}
@@ -40,6 +40,8 @@ def test_two_cpu_processes_count_every_row_once(tmp_path, launch):
         results = json.loads((tmp_path / "results.json").read_text())
     assert results["world_size"] == 2
     assert {k: results[k] for k in SMALL_SIZES} == SMALL_SIZES
+    peaks = results["peak_memory_mb_per_rank"]  # each rank's own resident peak, not rank 0's twice
+    assert len(peaks) == 2 and all(peak > 100 for peak in peaks) and peaks[0] != peaks[1]
     if launch == "python":
         assert list((tmp_path / "tensorboard").rglob("events.out.tfevents.*"))
 
