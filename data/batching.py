@@ -14,6 +14,8 @@ import torch
 from torch.utils.data import DataLoader, Sampler
 from transformers import DataCollatorWithPadding
 
+from fabric_utils.preemption import ignore_sigterm_in_worker
+
 MEGABATCH_FACTOR = 50  # how many global batches are sorted together when grouping by length
 
 
@@ -96,6 +98,7 @@ def make_dataloaders(tokenized, collator, *, batch_size, eval_batch_size, world_
         dataset = split.remove_columns("length").with_format("torch")
         return DataLoader(dataset, batch_sampler=batch_sampler, collate_fn=collator, num_workers=num_workers,
                           pin_memory=pin_memory, persistent_workers=num_workers > 0,
+                          worker_init_fn=ignore_sigterm_in_worker,  # a preemption's SIGTERM is the rank's to handle
                           # a private generator keeps worker seeding off the global RNG that dropout draws from,
                           # so creating an iterator mid-epoch after a resume does not shift the dropout masks
                           generator=torch.Generator().manual_seed(seed))
