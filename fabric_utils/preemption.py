@@ -3,9 +3,9 @@ finishes its step, every rank saves a checkpoint, and the job exits with ``EXIT_
 it. A second Ctrl-C stops at once. A signal that comes once the loop has ended is noted and the run finishes.
 
 Both ways out (``Preemption.exit`` and ``Preemption.close``) end every rank in the same order: the loaders' worker
-processes stopped, a barrier (no collective left in flight), the process group destroyed, then the exit. A process
-that leaves these to interpreter teardown can die there in C++ (``terminate called without an active exception``),
-and its job then fails with status 134 instead of 75."""
+processes stopped, a barrier (no collective left in flight), the process group destroyed, then the exit. Left to
+interpreter teardown, these were seen to kill a rank of a preempted SLURM job in C++ (``terminate called without an
+active exception``): srun then reported 134 instead of 75, and the job was not requeued."""
 
 import os
 import signal
