@@ -4,7 +4,7 @@ which made srun report 134 and SLURM not requeue); a signal after the loop (test
 finished run; Ctrl-C stops like a preemption, and a second one at once.
 
 The jobs are tests/preemption_job.py: 2 ranks each, as srun starts them, forked from one process that imported torch
-and Lightning once, so that 20 preemptions (40 ranks) take well under a minute of two cores."""
+and Lightning once, so that 20 preemptions (40 ranks) take about half a minute of two cores."""
 
 import json
 import os
@@ -35,7 +35,7 @@ class Jobs:
     def pgid(self, j: int) -> int:
         return int((self.root / f"job-{j}" / "pgid").read_text())
 
-    def signal_when(self, name: str, signals: list, timeout=120) -> None:
+    def signal_when(self, name: str, signals: list, timeout=300) -> None:
         """Sends ``signals[j]`` to every process of job ``j`` as soon as it has written ``name``."""
         deadline, waiting = time.monotonic() + timeout, dict(enumerate(signals))
         while waiting:
@@ -45,7 +45,7 @@ class Jobs:
             assert time.monotonic() < deadline, f"no {name} within {timeout} s in jobs {sorted(waiting)}"
             time.sleep(0.01)
 
-    def statuses(self, timeout=120) -> dict:
+    def statuses(self, timeout=300) -> dict:
         """Each job's exit status per rank, once all have ended."""
         assert self.proc.wait(timeout) == 0, self.log.read_text()[-3000:]
         return {int(j): ranks for j, ranks in json.loads((self.root / "statuses.json").read_text()).items()}
