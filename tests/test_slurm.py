@@ -15,9 +15,9 @@ import time
 
 import pytest
 
-from conftest import REPO, SMALL_DEMO, subprocess_env
+from conftest import REPO, subprocess_env
 from fabric_utils.preemption import STATUS_FILE, write_atomically
-from test_resilience import COMPARED, Job, resumed_step
+from test_resilience import COMPARED, TINY, Job, resumed_step
 
 
 @pytest.mark.parametrize("status, status_file, requeue", [
@@ -44,7 +44,7 @@ def free_port() -> int:
 
 SLURM_CONF = """\
 ClusterName=fabric-template-test
-SlurmctldHost={host}
+SlurmctldHost={host}(127.0.0.1)
 SlurmctldPort={ctld_port}
 SlurmdPort={slurmd_port}
 SlurmUser=root
@@ -65,7 +65,7 @@ SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 MpiDefault=none
 ReturnToService=2
-NodeName={host} CPUs={cpus} State=UNKNOWN
+NodeName={host} NodeAddr=127.0.0.1 CPUs={cpus} State=UNKNOWN
 PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 """
 
@@ -129,10 +129,8 @@ def wait_for_job(env: dict, job: str, until, log, timeout=300) -> None:
 
 def test_preempted_slurm_job_is_requeued_and_finishes_like_an_uninterrupted_run(slurm, tmp_path):
     # the node's 2 CPUs as 2 tasks; the script's own --num-nodes 2 --devices 4 --strategy deepspeed_stage_2 are
-    # overridden by the flags after its name
-    flags = ["--accelerator", "cpu", "--num-nodes", "1", "--devices", "2", "--strategy", "ddp", "--precision",
-             "32-true", *SMALL_DEMO, "--train-size", "800", "--epochs", "2", "--batch-size", "8", "--save-every", "10",
-             "--log-every", "5"]
+    # overridden by these flags, which come after them
+    flags = [*TINY, "--num-nodes", "1", "--devices", "2", "--strategy", "ddp"]  # 50 steps, a checkpoint every 10
     out, log = tmp_path / "slurm-run", tmp_path / "slurm.out"
     env = {**slurm, "OUT_DIR": str(out), "PYTHON": sys.executable}
     job = slurm_command(env, "sbatch", "--parsable", "--nodes=1", "--ntasks-per-node=2", "--gpus-per-node=0",
@@ -153,6 +151,6 @@ def test_preempted_slurm_job_is_requeued_and_finishes_like_an_uninterrupted_run(
     assert "Traceback" not in output and "terminate called" not in output, output
     results, full = json.loads((out / "results.json").read_text()), uninterrupted.results()
     assert results["world_size"] == 2 and results["strategy"] == "DDPStrategy", results
-    assert results["steps"] == full["steps"]
+    assert results["steps"] == full["steps"] == 50
     for key in COMPARED:
         assert results[key] == pytest.approx(full[key], abs=1e-4), key
