@@ -123,9 +123,13 @@ def main(fabric, args, out_dir: Path) -> dict:
            max_steps=max_steps, flops_of=flops_of, job=job):
         finalize_loggers(fabric.loggers, status="preempted")  # this segment's metrics stay on disk
         fabric.print(f"preempted: saved a checkpoint at step {state['step']}; rerun with --resume auto")
-        preemption.exit(fabric)  # status EXIT_PREEMPTED (75)
-    return finish(fabric, args, state, loaders=loaders, out_dir=out_dir, job=job,
-                  report={**params, "environment": env})
+        preemption.exit(fabric, loaders, out_dir, step=state["step"],  # status EXIT_PREEMPTED (75)
+                        checkpoint=out_dir / "checkpoints" / f"step-{state['step']:06d}")
+    preemption.training_ended()
+    results = finish(fabric, args, state, loaders=loaders, out_dir=out_dir, job=job,
+                     report={**params, "environment": env})
+    preemption.close(fabric, loaders)  # workers, then the process group: nothing left for teardown to trip on
+    return results
 
 
 def optimization(args, world_size: int, max_steps: int) -> dict:

@@ -17,6 +17,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from fabric_utils.preemption import ignore_sigterm_in_worker
+
 MEGABATCH_FACTOR = 50  # how many global batches are sorted together when grouping by length
 
 
@@ -85,6 +87,7 @@ def make_dataloaders(datasets: dict[str, Dataset], collate: Callable[[list], dic
     def loader(name, batch_sampler):
         return DataLoader(datasets[name], batch_sampler=batch_sampler, collate_fn=collate, num_workers=num_workers,
                           pin_memory=pin_memory, persistent_workers=num_workers > 0,
+                          worker_init_fn=ignore_sigterm_in_worker,  # a preemption's SIGTERM is the rank's to handle
                           # a private generator keeps worker seeding off the global RNG that dropout draws from,
                           # so creating an iterator mid-epoch after a resume does not shift the dropout masks
                           generator=torch.Generator().manual_seed(seed))

@@ -1,22 +1,53 @@
-"""Stop cleanly on SIGTERM / SIGUSR1 (what SLURM and Kubernetes send before killing a job): the loop finishes its
-step, every rank saves a checkpoint, and the job exits with ``EXIT_PREEMPTED`` so a wrapper can requeue it."""
+"""Stop cleanly on SIGTERM / SIGUSR1 (what SLURM and Kubernetes send before killing a job) and on Ctrl-C: the loop
+finishes its step, every rank saves a checkpoint, and the job exits with ``EXIT_PREEMPTED`` so a wrapper can requeue
+it. A second Ctrl-C stops at once. A signal that comes once the loop has ended is noted and the run finishes.
+
+Both ways out (``Preemption.exit`` and ``Preemption.close``) end every rank in the same order: the loaders' worker
+processes stopped, a barrier (no collective left in flight), the process group destroyed, then the exit. Left to
+interpreter teardown, these were seen to kill a rank of a preempted SLURM job in C++ (``terminate called without an
+active exception``): srun then reported 134 instead of 75, and the job was not requeued."""
 
 import os
 import signal
 import time
+from pathlib import Path
+
+import torch
+from lightning.fabric.utilities.rank_zero import rank_zero_only
+from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "try again later"
+STATUS_FILE = "preempted.txt"  # in --out-dir; scripts/requeue.sh reads it
 LAUNCHER_EXIT_WAIT_S = 30.0
 
 
 class Preemption:
-    def __init__(self, signals=(signal.SIGTERM, signal.SIGUSR1)):
+    def __init__(self, signals=(signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)):
         self.requested = False
-        for sig in signals:
-            signal.signal(sig, self._handle)
+        self.training = True
+        self.interrupted = False
+        self._noted = set()
+        self._pid = os.getpid()
+        self._previous = {sig: signal.signal(sig, self._handle) for sig in signals}
 
     def _handle(self, signum, frame):
-        self.requested = True
+        if os.getpid() != self._pid:  # a loader worker (forked with this handler): its process decides
+            return
+        if signum == signal.SIGINT:
+            if self.interrupted:  # the second Ctrl-C: stop now, dying of SIGINT as a shell expects
+                signal.signal(signal.SIGINT, signal.SIG_DFL)
+                os.kill(os.getpid(), signal.SIGINT)
+            self.interrupted = True
+        if self.training:
+            self.requested = True
+            note = "stopping at the next check with a checkpoint, then exiting 75"
+        else:
+            note = "training has ended, so the run finishes"
+        if rank_zero_only.rank == 0 and (signum, self.training) not in self._noted:  # once, not per signal
+            self._noted.add((signum, self.training))
+            again = "; Ctrl-C again to stop at once" if signum == signal.SIGINT else ""
+            # os.write: a print() here could land inside another print() and fail
+            os.write(2, f"{signal.Signals(signum).name}: {note}{again}\n".encode())
 
     def agreed(self, fabric, check_now: bool) -> bool:
         """Whether all ranks stop now. A signal may reach only some ranks (``kill`` of the launcher process), so
@@ -25,19 +56,60 @@ class Preemption:
             return self.requested
         return check_now and fabric.strategy.reduce_boolean_decision(self.requested, all=False)
 
-    def exit(self, fabric):
-        """Exits with ``EXIT_PREEMPTED`` once the checkpoint is saved on every rank.
+    def training_ended(self) -> None:
+        """From now on (test, export, teardown) a signal cannot stop the run: it has nothing left to checkpoint."""
+        self.training = False
 
-        When Lightning's own launcher started this process (``train.py --devices N``: rank 0 starts local ranks
-        1..N-1), that launcher SIGKILLs itself as soon as it sees a child exit with a non-zero status while it still
-        runs, which would turn its own status 75 into -9. So a started rank lets the launcher exit first (it
-        becomes an orphan: its parent changes), waiting at most LAUNCHER_EXIT_WAIT_S."""
+    def exit(self, fabric, loaders: dict, out_dir: Path, step: int, checkpoint: Path):
+        """Exits with ``EXIT_PREEMPTED`` once ``checkpoint`` is saved on every rank (and the loggers flushed).
+
+        Rank 0 first writes ``out_dir/STATUS_FILE``, so a wrapper knows the checkpoint was written even if a rank
+        then fails on the way out. When Lightning's own launcher started this process (``train.py --devices N``:
+        rank 0 starts local ranks 1..N-1), that launcher SIGKILLs itself as soon as it sees a child exit with a
+        non-zero status while it still runs, which would turn its own status 75 into -9. So a started rank lets the
+        launcher exit first (it becomes an orphan: its parent changes), waiting at most LAUNCHER_EXIT_WAIT_S."""
+        if fabric.is_global_zero:
+            write_atomically(out_dir / STATUS_FILE, f"preempted at step {step}, checkpoint {checkpoint}\n")
+        self.close(fabric, loaders)
         if _started_by_lightning_launcher(fabric):
             parent = os.getppid()
             deadline = time.monotonic() + LAUNCHER_EXIT_WAIT_S
             while os.getppid() == parent and time.monotonic() < deadline:
                 time.sleep(0.05)
         raise SystemExit(EXIT_PREEMPTED)
+
+    def close(self, fabric, loaders: dict) -> None:
+        """Ends this rank's part of the job: workers, barrier, process group. SIGTERM and SIGUSR1 are ignored from
+        here on (a Python handler would be reset to the default, fatal one during interpreter teardown); Ctrl-C goes
+        back to whoever handled it before."""
+        for loader in loaders.values():
+            stop_workers(loader)
+        if torch.distributed.is_initialized():
+            fabric.barrier()
+            torch.distributed.destroy_process_group()
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous if sig == signal.SIGINT else signal.SIG_IGN)
+
+
+def ignore_sigterm_in_worker(worker_id: int) -> None:
+    """A DataLoader ``worker_init_fn``. SLURM signals every process of a job step, loader workers included, and
+    PyTorch's workers die of a SIGTERM that does not come from their own process: the rank would then fail with
+    "DataLoader worker exited unexpectedly" instead of saving its checkpoint. The rank stops its workers itself."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def stop_workers(loader) -> None:
+    """Shuts down a loader's persistent worker processes, as Lightning's Trainer does at the end of a loop."""
+    loader = getattr(loader, "_dataloader", loader)  # inside Fabric's wrapper
+    if isinstance(getattr(loader, "_iterator", None), _MultiProcessingDataLoaderIter):
+        loader._iterator._shutdown_workers()
+        loader._iterator = None
+
+
+def write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(f".tmp-{path.name}")
+    tmp.write_text(text)
+    os.replace(tmp, path)  # a reader sees the whole file or none
 
 
 def _started_by_lightning_launcher(fabric) -> bool:
