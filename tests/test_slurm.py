@@ -15,9 +15,9 @@ import time
 
 import pytest
 
-from conftest import REPO, subprocess_env
+from conftest import REPO, Job, resumed_step, subprocess_env
 from fabric_utils.preemption import STATUS_FILE, write_atomically
-from test_resilience import COMPARED, TINY, Job, resumed_step
+from test_resilience import COMPARED, TINY
 
 
 @pytest.mark.parametrize("status, status_file, requeue", [
@@ -135,7 +135,7 @@ def test_preempted_slurm_job_is_requeued_and_finishes_like_an_uninterrupted_run(
     env = {**slurm, "OUT_DIR": str(out), "PYTHON": sys.executable}
     job = slurm_command(env, "sbatch", "--parsable", "--nodes=1", "--ntasks-per-node=2", "--gpus-per-node=0",
                         "--cpus-per-task=1", f"--output={log}", "scripts/slurm.sbatch", *flags).strip()
-    uninterrupted = Job(tmp_path / "uninterrupted", base=flags)  # beside it, started by Lightning's launcher
+    uninterrupted = Job(tmp_path / "uninterrupted", *flags)  # beside it, started by Lightning's launcher
 
     wait_for_job(env, job, lambda: list((out / "checkpoints").glob("step-*")), log)
     slurm_command(env, "scancel", "--signal=USR1", job)
