@@ -1,5 +1,6 @@
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -78,3 +79,12 @@ def train(args: list, out_dir: Path, **kwargs) -> dict:
 
 def fabric_cli() -> str:
     return str(Path(sys.executable).with_name("fabric"))
+
+
+def copy_repo(dest: Path) -> Path:
+    """The repository's git-tracked files, as they are in the working tree, copied into ``dest``: a copy to edit."""
+    names = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    for name in filter(None, names.split("\0")):
+        (dest / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(REPO / name, dest / name)
+    return dest
