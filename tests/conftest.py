@@ -1,6 +1,7 @@
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -137,3 +138,12 @@ def resumed_step(output: str) -> int:
     found = re.findall(r"resumed from \S+ at step (\d+)", output)
     assert found, f"the run did not resume:\n{output[-3000:]}"
     return int(found[-1])
+
+
+def copy_repo(dest: Path) -> Path:
+    """The repository's git-tracked files, as they are in the working tree, copied into ``dest``: a copy to edit."""
+    names = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    for name in filter(None, names.split("\0")):
+        (dest / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(REPO / name, dest / name)
+    return dest

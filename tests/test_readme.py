@@ -1,6 +1,7 @@
 """The README's recipes match the flags that exist."""
 
 import re
+import subprocess
 
 from conftest import REPO
 from train import flag_parser
@@ -51,3 +52,28 @@ def test_the_layout_tables_line_counts_are_the_files():
     wrong = {path: (int(typed), count_lines(path)) for paths, counts in rows for path, typed in zip(paths, counts)
              if int(typed) != count_lines(path)}
     assert wrong == {}, "README layout table (typed, actual): " + str(wrong)
+
+
+def test_the_swap_the_readme_states_is_the_measured_diff():
+    """The "Make it yours" table's numbers are git's own count of replacing task.py with the example."""
+    numstat = subprocess.run(["git", "diff", "--no-index", "--numstat", "task.py", "examples/vision_task.py"],
+                             cwd=REPO, capture_output=True, text=True).stdout
+    added, removed = numstat.split()[:2]
+    assert f"one file: `task.py`, {added} insertions(+), {removed} deletions(-)" in (REPO / "README.md").read_text()
+
+
+def fix_layout_counts() -> None:
+    """Writes the files' line counts into the README's layout table: ``PYTHONPATH=.:tests python tests/test_readme.py``."""
+    readme = (REPO / "README.md").read_text()
+    head, table = readme.split("Layout (lines, purpose", 1)
+    intro, rows, rest = table.split("\n\n", 2)[0], table.split("\n\n", 2)[1], table.split("\n\n", 2)[2]
+    lines = rows.splitlines()
+    for i, (paths, _) in enumerate(layout_rows(readme), start=2):
+        cells = lines[i].split("|")
+        cells[2] = " " + ", ".join(str(count_lines(path)) for path in paths) + " "
+        lines[i] = "|".join(cells)
+    (REPO / "README.md").write_text(head + "Layout (lines, purpose" + "\n\n".join([intro, "\n".join(lines), rest]))
+
+
+if __name__ == "__main__":
+    fix_layout_counts()
