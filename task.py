@@ -60,6 +60,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dataset", default="stanfordnlp/imdb", help="hub id, local file (.parquet/.csv/.json/.jsonl) "
                    "or folder with train/validation/test files")
     g.add_argument("--text-column", default="text")
+    g.add_argument("--text-pair-column", help="each row's second text, for sentence-pair tasks (NLI, paraphrase, "
+                   "question-answer relevance): the two texts are tokenized as one pair, as the model expects")
     g.add_argument("--label-column", default="label")
     g.add_argument("--problem-type", choices=("auto", *PROBLEM_TYPES), default="auto",
                    help="auto: from the train split's labels: lists (or strings with --label-separator) are "
@@ -105,7 +107,7 @@ def setup(args: argparse.Namespace, verbose: bool) -> TaskSpec:
                      label_column=args.label_column, max_length=args.max_length, seed=args.seed,
                      train_size=args.train_size, val_size=args.val_size, test_size=args.test_size,
                      problem_type=args.problem_type, label_separator=args.label_separator,
-                     drop_invalid=args.drop_invalid)
+                     drop_invalid=args.drop_invalid, text_pair_column=args.text_pair_column)
     args.problem_type = data.problem_type  # config.yaml records what auto chose
     objective = Objective(data.problem_type, num_labels=len(data.label_names))
 
@@ -150,15 +152,17 @@ class TaskData:
 
 def load_data(dataset: str, model: str, demo: bool, text_column: str, label_column: str, max_length: int,
               seed: int, train_size=None, val_size=None, test_size=None, problem_type="auto", label_separator=None,
-              drop_invalid=False) -> TaskData:
-    """Rows -> checked, labelled, tokenized splits (tokenization is cached by the data's fingerprint, the tokenizer
-    and max_length). Bad rows stop the run with a UserError naming them, or are dropped with ``drop_invalid``."""
+              drop_invalid=False, text_pair_column=None) -> TaskData:
+    """Rows -> checked, labelled, tokenized splits (tokenization is cached by the data's fingerprint, the tokenizer,
+    the text columns and max_length). Bad rows stop the run with a UserError naming them, or are dropped with
+    ``drop_invalid``. With ``text_pair_column`` each row is a sentence pair."""
     if demo:
         dataset, model = map(str, prepare_demo(DEMO_ROOT))
     data = load_splits(dataset, text_column, label_column, seed, train_size, val_size, test_size,
-                       problem_type=problem_type, label_separator=label_separator, drop_invalid=drop_invalid)
+                       problem_type=problem_type, label_separator=label_separator, drop_invalid=drop_invalid,
+                       text_pair_column=text_pair_column)
     tokenizer = load_tokenizer(model)
-    tokenized = tokenize_splits(data.splits, tokenizer, text_column, max_length)
+    tokenized = tokenize_splits(data.splits, tokenizer, text_column, max_length, text_pair_column)
     return TaskData(tokenized, data.label_names, data.problem_type, tokenizer, model, data.drop_report())
 
 
@@ -176,6 +180,7 @@ def load_tokenizer(source: str):
 
 
 # ---- model -----------------------------------------------------------------------------------------------------------
+MODEL_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
 HF_PROBLEM_TYPES = {"single_label": "single_label_classification", "multi_label": "multi_label_classification",
                     "regression": "regression"}
 
@@ -251,7 +256,9 @@ class Objective:
 
     def forward(self, model, batch: dict) -> torch.Tensor:
         """Logits: (rows, labels), or (rows,) for a one-output regression head."""
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask")).logits
+        # only the inputs the batch has: token_type_ids come with sentence pairs for the models that take them
+        # (DistilBERT's forward has no such argument), no attention mask with the unpadded dummy batch
+        logits = model(**{name: batch[name] for name in MODEL_INPUTS if name in batch}).logits
         return logits.squeeze(-1) if logits.shape[-1] == 1 else logits
 
     @property

@@ -27,7 +27,7 @@ DEFAULT_CARVED_SIZE = 5000
 
 @dataclass
 class LabelledSplits:
-    splits: datasets.DatasetDict  # train / validation / test: the text column and "labels" (see data/labels.py)
+    splits: datasets.DatasetDict  # train / validation / test: the text column(s) and "labels" (see data/labels.py)
     label_names: list[str]  # class names in id order; for regression [label column], the model's one output
     problem_type: str = "single_label"  # or multi_label or regression: picks the loss, the metrics and the head
     dropped: dict[str, dict[str, int]] = field(default_factory=dict)  # drop_invalid: {split: {why: rows}}
@@ -40,21 +40,28 @@ class LabelledSplits:
 
 
 def load_splits(source, text_column="text", label_column="label", seed=123, train_size=None, val_size=None,
-                test_size=None, problem_type="auto", label_separator=None, drop_invalid=False) -> LabelledSplits:
+                test_size=None, problem_type="auto", label_separator=None, drop_invalid=False,
+                text_pair_column=None) -> LabelledSplits:
     """``problem_type``: single_label, multi_label, regression, or auto (from the train split's label column).
     ``label_separator`` splits string labels into a multi_label list. ``drop_invalid`` leaves out the rows that
-    would otherwise stop the run."""
+    would otherwise stop the run. ``text_pair_column``: each row's second text (sentence pairs), checked like the
+    first."""
+    flags = {"--text-column": text_column, "--text-pair-column": text_pair_column, "--label-column": label_column}
+    flags = {flag: column for flag, column in flags.items() if column}  # the flag naming each column, for errors
+    if len(set(flags.values())) < len(flags):
+        raise UserError(f"{' / '.join(flags)} must name different columns, not {list(flags.values())}")
     raw, files = _load_raw(source)
     for name, split in raw.items():
-        missing = [c for c in (text_column, label_column) if c not in split.column_names]
+        missing = [c for c in flags.values() if c not in split.column_names]
         if missing:
             raise UserError(f"the {name} split of {source} has no column {', '.join(map(repr, missing))}; "
-                            f"its columns are {split.column_names} (set --text-column / --label-column)")
+                            f"its columns are {split.column_names} (set {' / '.join(flags)})")
         if len(split) == 0:
             raise UserError(f"the {name} split of {source} is empty")
-    raw = raw.select_columns([text_column, label_column])
+    raw = raw.select_columns(list(flags.values()))
+    texts = {column: flag for flag, column in flags.items() if flag != "--label-column"}
     problem_type, kind = resolve_problem_type(raw["train"], label_column, problem_type, label_separator)
-    raw, names, dropped = _check_and_encode(raw, files, text_column, label_column, problem_type, kind,
+    raw, names, dropped = _check_and_encode(raw, files, texts, label_column, problem_type, kind,
                                             label_separator, drop_invalid)
     splits = _carve_missing_splits(raw, seed, val_size)
     splits = datasets.DatasetDict({
@@ -64,16 +71,18 @@ def load_splits(source, text_column="text", label_column="label", seed=123, trai
     return LabelledSplits(splits, names, problem_type, dropped)
 
 
-def _check_and_encode(raw: datasets.DatasetDict, files: dict[str, Path], text_column: str, label_column: str,
+def _check_and_encode(raw: datasets.DatasetDict, files: dict[str, Path], texts: dict[str, str], label_column: str,
                       problem_type: str, kind: str | None, separator: str | None, drop_invalid: bool):
     """Checks every row of every split, stops at (or drops) bad ones, and replaces the label column with "labels".
-    Returns the splits, the label names and the rows dropped per split and reason."""
+    ``texts``: each text column and its flag. Returns the splits, the label names and the rows dropped per split and
+    reason."""
     kept, labels, dropped = {}, {}, {}
     for name, split in raw.items():  # train first: the other splits are checked against its labels
         labels[name], problems = read_labels(split, label_column, problem_type, kind, separator)
         if name != "train":
             problems.update(unseen_labels(labels[name], labels["train"]))
-        problems = {f"missing or empty text in column {text_column!r}": _blank_text(split, text_column),
+        problems = {**{f"missing or empty text in column {column!r}": _blank_text(split, column, flag)
+                       for column, flag in texts.items()},
                     **{f"{why} in column {label_column!r}": rows for why, rows in problems.items()}}
         keep, why = _keep_rows(name, len(split), problems, files.get(name), drop_invalid)
         kept[name] = split if keep.all() else split.select(np.flatnonzero(keep))
@@ -88,13 +97,13 @@ def _check_and_encode(raw: datasets.DatasetDict, files: dict[str, Path], text_co
     return encoded, names, dropped
 
 
-def _blank_text(split: datasets.Dataset, column: str) -> np.ndarray:
+def _blank_text(split: datasets.Dataset, column: str, flag: str) -> np.ndarray:
     text = split.data.column(column)
     if text.null_count == len(text):  # a CSV column with no text at all reads as numbers
         return np.ones(len(text), dtype=bool)
     if not (pa.types.is_string(text.type) or pa.types.is_large_string(text.type)):
-        raise UserError(f"column {column!r} holds {text.type} values, not text: set --text-column to the column "
-                        f"with the text")
+        raise UserError(f"column {column!r} holds {text.type} values, not text: set {flag} to the column with "
+                        f"the text")
     return pc.fill_null(is_blank(text), True).to_numpy(zero_copy_only=False)
 
 

@@ -9,28 +9,36 @@ from transformers import DataCollatorWithPadding
 
 
 def tokenize_splits(splits: datasets.DatasetDict, tokenizer, text_column: str, max_length: int,
-                    num_proc: int | None = None) -> datasets.DatasetDict:
+                    text_pair_column: str | None = None, num_proc: int | None = None) -> datasets.DatasetDict:
     """Adds the tokenizer's model inputs and a ``length`` column (tokens per row); drops the text.
 
-    The cache key is the data's fingerprint plus the tokenizer's full definition and the length, so a second run
-    with the same data, tokenizer and ``max_length`` loads the cached result instead of tokenizing again.
+    With ``text_pair_column`` each row is a sentence pair, encoded the way the model was pretrained on pairs (BERT:
+    ``[CLS] text [SEP] pair [SEP]``) and truncated longest text first; ``token_type_ids``, which text each token
+    belongs to, are kept for the models whose tokenizer returns them (BERT, MiniLM; not DistilBERT).
+
+    The cache key is the data's fingerprint plus the tokenizer's full definition, the columns and the length, so a
+    second run with the same data, tokenizer, columns and ``max_length`` loads the cached result instead of
+    tokenizing again.
     """
     definition = json.loads(tokenizer.backend_tokenizer.to_str())
     for state in ("truncation", "padding"):  # set by the call itself: would change the key after the first run
         definition.pop(state, None)
     tokenizer_id = Hasher.hash(definition)
-    keep = set(tokenizer.model_input_names) - {"token_type_ids"}  # single-sentence task: all zeros anyway
+    texts = [column for column in (text_column, text_pair_column) if column]
+    keep = set(tokenizer.model_input_names)
+    if not text_pair_column:
+        keep.discard("token_type_ids")  # one text: all zeros, which is also what the model assumes without them
 
     def encode(batch):
-        encoded = tokenizer(batch[text_column], truncation=True, max_length=max_length)
+        encoded = tokenizer(*(batch[column] for column in texts), truncation=True, max_length=max_length)
         out = {k: v for k, v in encoded.items() if k in keep}
         out["length"] = [len(ids) for ids in encoded["input_ids"]]
         return out
 
     return datasets.DatasetDict({
-        name: split.map(encode, batched=True, remove_columns=[text_column], num_proc=num_proc,
-                        desc=f"tokenizing {name}",
-                        new_fingerprint=Hasher.hash((split._fingerprint, tokenizer_id, max_length, sorted(keep))))
+        name: split.map(encode, batched=True, remove_columns=texts, num_proc=num_proc, desc=f"tokenizing {name}",
+                        new_fingerprint=Hasher.hash((split._fingerprint, tokenizer_id, texts, max_length,
+                                                     sorted(keep))))
         for name, split in splits.items()
     })
 

@@ -1,0 +1,101 @@
+"""Sentence pairs (--text-pair-column, issue 17): tokenized as the model expects, checked like the first text, and a
+pair task that needs both texts learns where the first text alone is at chance."""
+
+import sys
+
+import pandas as pd
+import pytest
+import torch
+from transformers import (BertConfig, BertForSequenceClassification, BertTokenizer, DistilBertConfig,
+                          DistilBertForSequenceClassification, DistilBertTokenizer)
+
+from conftest import run
+from data.demo import FILLER, NEGATIVE, POSITIVE, SPECIAL, prepare_demo
+from data.sources import load_splits
+from data.tokenize import make_collator, tokenize_splits
+from fabric_utils.errors import UserError
+from task import Objective
+
+VOCAB = {token: i for i, token in enumerate(SPECIAL + sorted(set(POSITIVE + NEGATIVE + FILLER)))}
+ROWS = pd.DataFrame({"text": ["a great film", "dull and boring", "quite good acting", "awful plot"] * 5,
+                     "pair": ["the cast was good", "it was bad", "the music", "the ending was weak"] * 5,
+                     "label": [1, 0, 1, 0] * 5})
+
+
+def error_of(*args, **kwargs) -> str:
+    with pytest.raises(UserError) as err:
+        load_splits(*args, **kwargs)
+    return str(err.value)
+
+
+# BERT (and MiniLM) were pretrained with a segment embedding per text; DistilBERT dropped it and its forward takes no
+# token_type_ids: tiny models of both, with tokenizers of their own classes over the demo's words
+@pytest.mark.parametrize("tokenizer_class, model_class, config", [
+    (BertTokenizer, BertForSequenceClassification,
+     BertConfig(vocab_size=len(VOCAB), hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                intermediate_size=64)),
+    (DistilBertTokenizer, DistilBertForSequenceClassification,
+     DistilBertConfig(vocab_size=len(VOCAB), dim=32, n_layers=1, n_heads=2, hidden_dim=64)),
+])
+def test_pairs_are_tokenized_and_fed_the_way_the_model_expects(tmp_path, monkeypatch, tokenizer_class, model_class,
+                                                               config):
+    ROWS.to_parquet(tmp_path / "pairs.parquet")
+    splits = load_splits(tmp_path / "pairs.parquet", text_pair_column="pair", seed=0).splits
+    tokenizer = tokenizer_class(vocab=VOCAB)
+    pairs = tokenize_splits(splits, tokenizer, "text", max_length=8, text_pair_column="pair")["train"]
+    row, rows = splits["train"][0], pairs.select(range(4)).remove_columns("length")
+    assert pairs[0]["input_ids"] == tokenizer(row["text"], row["pair"], truncation=True, max_length=8)["input_ids"]
+    assert tokenizer.decode(pairs[0]["input_ids"]).count("[SEP]") == 2  # [CLS] text [SEP] pair [SEP], cut to 8
+    uses_types = "token_type_ids" in tokenizer.model_input_names
+    assert ("token_type_ids" in pairs.column_names) == uses_types
+    single = tokenize_splits(splits, tokenizer, "text", max_length=8)["train"]  # same data: the key has the columns
+    assert "token_type_ids" not in single.column_names and single["input_ids"] != pairs["input_ids"]
+    calls = []
+    monkeypatch.setattr(type(tokenizer), "__call__", lambda *a, **k: calls.append(1))
+    again = tokenize_splits(splits, tokenizer, "text", max_length=8, text_pair_column="pair")["train"]
+    assert calls == [] and again["input_ids"] == pairs["input_ids"]  # read from the cache
+    monkeypatch.undo()
+
+    batch = make_collator(tokenizer, False, 8, 8)([rows[i] for i in range(len(rows))])
+    torch.manual_seed(0)
+    model = model_class(config).eval()
+    logits = Objective("single_label", 2).forward(model, batch)  # DistilBERT: no token_type_ids to refuse
+    if uses_types:
+        assert batch["token_type_ids"].any()  # the pair's tokens are segment 1
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        torch.testing.assert_close(logits, model(**inputs).logits)
+        assert not torch.allclose(logits, model(input_ids=batch["input_ids"],
+                                                attention_mask=batch["attention_mask"]).logits)
+
+
+def test_the_pair_column_is_checked_like_the_text_column(tmp_path):
+    path = tmp_path / "pairs.csv"
+    rows = ROWS.assign(stars=4)
+    rows.loc[[3, 7], "pair"] = ["", None]
+    rows.to_csv(path, index=False)
+    assert error_of(path, text_pair_column="answer") == (
+        f"the train split of {path} has no column 'answer'; its columns are ['text', 'pair', 'label', 'stars'] "
+        f"(set --text-column / --text-pair-column / --label-column)")
+    assert error_of(path, text_pair_column="text") == (
+        "--text-column / --text-pair-column / --label-column must name different columns, not ['text', 'text', "
+        "'label']")
+    assert error_of(path, text_pair_column="pair") == (
+        f"the train split has 2 rows with missing or empty text in column 'pair', first at lines 5, 9 of {path}; "
+        f"fix the data or pass --drop-invalid to leave such rows out")
+    data = load_splits(path, text_pair_column="pair", drop_invalid=True)
+    assert data.dropped == {"train": {"missing or empty text in column 'pair'": 2}}
+    assert error_of(path, text_pair_column="stars") == (
+        "column 'stars' holds int64 values, not text: set --text-pair-column to the column with the text")
+
+
+def test_a_missing_pair_column_ends_the_run_with_one_line(tmp_path):
+    _, model = prepare_demo(tmp_path / "demo")
+    ROWS.to_parquet(tmp_path / "pairs.parquet")
+    result = run([sys.executable, "train.py", "--dataset", tmp_path / "pairs.parquet", "--model", model,
+                  "--text-pair-column", "question", "--accelerator", "cpu", "--quiet", "--out-dir", tmp_path / "run"],
+                 check=False)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr + result.stdout
+    assert [line for line in result.stderr.splitlines() if "error: " in line] == [
+        f"error: the train split of {tmp_path / 'pairs.parquet'} has no column 'question'; its columns are "
+        f"['text', 'pair', 'label'] (set --text-column / --text-pair-column / --label-column)"]
