@@ -40,13 +40,19 @@ def write_demo_dataset(folder: Path, train_rows=4000, test_rows=1000, seed=0) ->
 
 
 def write_demo_model(folder: Path, seed=0) -> Path:
-    """A BERT tokenizer whose vocabulary is the demo's words (so word-level: a word outside it is [UNK]; sentence
-    pairs get BERT's [SEP] and token_type_ids) and a 2-layer, 64-wide BERT with random weights."""
+    """A word-level tokenizer over the demo vocabulary and a 2-layer, 64-wide BERT with random weights."""
     import torch
-    from transformers import BertConfig, BertForSequenceClassification, BertTokenizer
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import BertConfig, BertForSequenceClassification, PreTrainedTokenizerFast
 
     vocab = {tok: i for i, tok in enumerate(SPECIAL + sorted(set(POSITIVE + NEGATIVE + FILLER)))}
-    tokenizer = BertTokenizer(vocab=vocab, model_max_length=512)
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", special_tokens=[("[CLS]", vocab["[CLS]"]), ("[SEP]", vocab["[SEP]"])])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="[PAD]", unk_token="[UNK]",
+                                        cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]",
+                                        model_max_length=512)
     config = BertConfig(vocab_size=len(vocab), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                         intermediate_size=128, max_position_embeddings=512, num_labels=len(LABELS),
                         pad_token_id=vocab["[PAD]"])

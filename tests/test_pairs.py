@@ -1,6 +1,9 @@
 """Sentence pairs (--text-pair-column, issue 17): tokenized as the model expects, checked like the first text, and a
 pair task that needs both texts learns where the first text alone is at chance."""
 
+import json
+import random
+import subprocess
 import sys
 
 import pandas as pd
@@ -9,7 +12,7 @@ import torch
 from transformers import (BertConfig, BertForSequenceClassification, BertTokenizer, DistilBertConfig,
                           DistilBertForSequenceClassification, DistilBertTokenizer)
 
-from conftest import run
+from conftest import REPO, Job, run, subprocess_env
 from data.demo import FILLER, NEGATIVE, POSITIVE, SPECIAL, prepare_demo
 from data.sources import load_splits
 from data.tokenize import make_collator, tokenize_splits
@@ -99,3 +102,50 @@ def test_a_missing_pair_column_ends_the_run_with_one_line(tmp_path):
     assert [line for line in result.stderr.splitlines() if "error: " in line] == [
         f"error: the train split of {tmp_path / 'pairs.parquet'} has no column 'question'; its columns are "
         f"['text', 'pair', 'label'] (set --text-column / --text-pair-column / --label-column)"]
+
+
+PAIR_CHECK = r"""
+import json, sys
+import pandas as pd, torch
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+model_dir, rows = sys.argv[1], pd.read_parquet(sys.argv[2])
+model, tokenizer = AutoModelForSequenceClassification.from_pretrained(model_dir).eval(), AutoTokenizer.from_pretrained(model_dir)
+with torch.no_grad():  # the tokenizer's own pair call, as a user of the export would write it
+    predicted = model(**tokenizer(list(rows.text), list(rows.pair), padding=True, return_tensors="pt")).logits.argmax(-1)
+names = [model.config.id2label[int(i)] for i in predicted]
+print(json.dumps({"acc": sum(n == label for n, label in zip(names, rows.label)) / len(rows)}))
+"""
+
+
+def same_or_different(rows: int, seed: int) -> pd.DataFrame:
+    """Is the pair's sentiment word the text's? Each text alone is a word drawn at random, the same in both
+    classes, so the text alone says nothing about the label (chance is 0.5); the pair decides it."""
+    rng, words = random.Random(seed), POSITIVE[:6] + NEGATIVE[:6]
+    made = []
+    for _ in range(rows):
+        word, same = rng.choice(words), rng.random() < 0.5
+        other = word if same else rng.choice([w for w in words if w != word])
+        made.append({"text": f"the film was {word}", "pair": f"it was {other}",
+                     "label": "same" if same else "different"})
+    return pd.DataFrame(made)
+
+
+def test_a_pair_task_that_needs_both_texts_learns_only_with_the_pair_column(tmp_path):
+    # the demo's tiny BERT from random weights; its word-level tokenizer has no pair template and joins the texts
+    _, model = prepare_demo(tmp_path / "demo")
+    (tmp_path / "data").mkdir()
+    same_or_different(2400, seed=0).to_parquet(tmp_path / "data" / "train.parquet")
+    same_or_different(300, seed=1).to_parquet(tmp_path / "data" / "test.parquet")
+    flags = ["--dataset", str(tmp_path / "data"), "--model", str(model), "--accelerator", "cpu", "--precision",
+             "32-true", "--num-workers", "0", "--max-length", "16", "--epochs", "3", "--batch-size", "32", "--lr",
+             "3e-3", "--hidden-dropout", "0", "--quiet"]
+    jobs = {"pairs": Job(tmp_path / "pairs", *flags, "--text-pair-column", "pair"),
+            "text alone": Job(tmp_path / "text", *flags)}  # started together: two cores
+    found = {name: job.results()["test_acc"] for name, job in jobs.items()}
+    assert found["pairs"] >= 0.8 and found["text alone"] <= 0.6, found
+    done = subprocess.run([sys.executable, "-c", PAIR_CHECK, str(tmp_path / "pairs" / "model"),
+                           str(tmp_path / "data" / "test.parquet")], cwd=REPO, env=subprocess_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1])["acc"] == pytest.approx(found["pairs"], abs=2 / 300)
