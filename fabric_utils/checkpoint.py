@@ -221,6 +221,6 @@ def _check_meta(path: Path, found, expected: dict) -> None:
                         f"another --resume")
     differ = sorted(k for k in {*found, *expected} if not _same_value(found.get(k), expected.get(k)))
     if differ:
-        raise UserError(f"checkpoint {path} was written with {', '.join(f'{k} {found.get(k)}' for k in differ)}, "
-                        f"not {', '.join(str(expected.get(k)) for k in differ)}; resume with the same flags, or "
-                        f"start a new --out-dir")
+        changes = ", ".join(f"{k} {found.get(k)} (now {expected.get(k)})" for k in differ)
+        raise UserError(f"checkpoint {path} was written with {changes}; resume with the same flags, or start a new "
+                        f"--out-dir")

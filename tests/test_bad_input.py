@@ -142,6 +142,7 @@ def build_cases(tmp: Path) -> tuple[list, dict]:
     bad_config.write_text("lr: -1.0\n")  # a value the flag's own check refuses
     not_yaml.write_text("lr: 1\n- 2\n")  # a list item inside a mapping
     data = ["--model", MODEL, "--dataset", str(ok), *QUICK]
+    resume = ["--max-steps", "2"]  # the good run's optimization: a resume that changed it would be refused first
     cases = [
         # a real run first: its checkpoint is resumed below with another label set and another model
         ("good_run", ["--dataset", str(ok), "--model", MODEL, *QUICK, "--max-steps", "2", "--save-every", "2",
@@ -179,13 +180,13 @@ def build_cases(tmp: Path) -> tuple[list, dict]:
         ("resume_missing", [*data, "--resume", str(tmp / "no_checkpoint")], 2, "is not a checkpoint folder", False),
         ("corrupt_checkpoint", [*data, "--resume", str(corrupt)], 2,
          f"cannot restore checkpoint {corrupt}: its state file is damaged or was not written by train.py", True),
-        ("corrupt_rng_file", [*data, "--resume", str(bad_rng)], 2,
+        ("corrupt_rng_file", [*data, *resume, "--resume", str(bad_rng)], 2,
          f"cannot restore checkpoint {bad_rng}: its rng-rank0.pt is damaged", False),
-        ("checkpoint_other_labels", ["--model", MODEL, "--dataset", str(other_labels), *QUICK,
+        ("checkpoint_other_labels", ["--model", MODEL, "--dataset", str(other_labels), *QUICK, *resume,
                                      "--resume", str(good_ckpt)], 2,
-         "was written with labels ['negative', 'positive'], not ['bad', 'good']", False),
-        ("checkpoint_other_model", ["--model", str(other_model), "--dataset", str(ok), *QUICK,
-                                    "--resume", str(good_ckpt)], 2, f"was written with model {MODEL}", False),
+         "labels ['negative', 'positive'] (now ['bad', 'good'])", False),
+        ("checkpoint_other_model", ["--model", str(other_model), "--dataset", str(ok), *QUICK, *resume,
+                                    "--resume", str(good_ckpt)], 2, f"was written with model {MODEL} (now", False),
         ("out_dir_under_a_file", [*data, "--out-dir", str(tmp / "a_file" / "run")], 2,
          "cannot write to output folder", False),
         ("config_value_checked", [*data, "--config", str(bad_config)], 2,
@@ -250,7 +251,9 @@ def test_the_good_run_works(outcomes):
     assert result["rc"] == 0, result["stderr"][-5000:]
     assert (facts["good_ckpt"] / "state").is_file()
     meta = torch.load(facts["good_ckpt"] / "state", weights_only=True, mmap=True)["meta"]
-    assert meta == {"model": MODEL, "labels": ["negative", "positive"], "problem_type": "single_label"}
+    assert {k: meta[k] for k in ("model", "labels", "problem_type", "optimizer steps (--max-steps, --epochs)")} == {
+        "model": MODEL, "labels": ["negative", "positive"], "problem_type": "single_label",
+        "optimizer steps (--max-steps, --epochs)": 2}
 
 
 @pytest.mark.parametrize("case_id", CASE_IDS)

@@ -3,6 +3,7 @@ what is reduced when, the compile warm-up, checkpoints. tests/shims/zero_probe.p
 
 import functools
 import json
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -95,13 +96,16 @@ def test_offload_trains_saves_and_loads_on_two_cpu_processes(tmp_path, strategy)
              "--save-every", "3", "--out-dir", str(tmp_path)]
     if "stage_2" in strategy:
         flags += ["--grad-accum", "2"]
-    run([sys.executable, "train.py", *flags, "--max-steps", "3"], deepspeed_cpu=True)
+    run([sys.executable, "train.py", *flags, "--max-steps", "5"], deepspeed_cpu=True)
     assert (tmp_path / "checkpoints" / "step-000003" / "state").is_dir()  # sharded: a folder, not one file
     assert (tmp_path / "model" / "model.safetensors").exists()  # consolidated from the shards
     results = json.loads((tmp_path / "results.json").read_text())
     assert (results["val_examples"], results["test_examples"]) == (101, 201)  # every row once, none twice
     if "stage_3" in strategy:
         return
+    for later in ("checkpoints/step-000005", "checkpoints/best", "model"):  # the run cut back to its step 3
+        shutil.rmtree(tmp_path / later)
+    (tmp_path / "results.json").unlink()
     resumed = run([sys.executable, "train.py", *flags, "--max-steps", "5", "--resume", "auto"], deepspeed_cpu=True)
     assert "resumed from" in resumed.stdout and "step 3" in resumed.stdout
     results = json.loads((tmp_path / "results.json").read_text())

@@ -233,6 +233,6 @@ def test_checkpoint_meta_accepts_another_spelling_of_the_same_model_folder(tmp_p
         _check_meta(tmp_path, {"model": "model", "labels": labels}, {"model": "other", "labels": labels})
     with pytest.raises(UserError, match="was written with labels"):
         _check_meta(tmp_path, {"model": "model", "labels": labels}, {"model": "./model", "labels": ["a", "b"]})
-    with pytest.raises(UserError, match="was written with problem_type multi_label, not single_label"):
+    with pytest.raises(UserError, match=r"was written with problem_type multi_label \(now single_label\)"):
         _check_meta(tmp_path, {"model": "model", "labels": labels, "problem_type": "multi_label"},
                     {"model": "./model", "labels": labels, "problem_type": "single_label"})

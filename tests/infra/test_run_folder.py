@@ -29,7 +29,7 @@ def test_a_resume_that_would_change_the_optimization_is_refused_and_leaves_the_r
     run([sys.executable, "train.py", *flags])
     record = (tmp_path / "config.yaml").read_text()
     lr = parse_args(task.TEST_FLAGS).lr
-    for changed, said in ((["--lr", "0.123"], f"written with --lr {lr}, not 0.123"),
+    for changed, said in ((["--lr", "0.123"], f"written with --lr {lr} (now 0.123)"),
                           (["--grad-accum", "2"], "rows per optimizer step (--batch-size x devices x --grad-accum) ")):
         done = run([sys.executable, "train.py", *flags, *changed, "--resume", "auto"], check=False, timeout=300)
         errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
