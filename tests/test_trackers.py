@@ -2,6 +2,7 @@
 tracked runs, the plots come from the CSV log whatever --logger says, and a missing package is a one-line error."""
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -33,9 +34,14 @@ def test_mlflow_and_wandb_record_the_run_and_a_resume_continues_the_same_tracked
     monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
     monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
     out_dir = tmp_path / "run"
-    flags = [*SMALL_DEMO, "--logger", "mlflow,wandb", "--tracker-project", "trackers-test"]
-    train([*flags, "--max-steps", "2", "--save-every", "2"], out_dir)
-    train([*flags, "--max-steps", "4", "--resume", "auto"], out_dir)
+    flags = [*SMALL_DEMO, "--logger", "mlflow,wandb", "--tracker-project", "trackers-test", "--max-steps", "4",
+             "--save-every", "2", "--log-every", "2", "--val-every", "2"]
+    train(flags, out_dir)
+    # the run cut back to its step-2 checkpoint, as a crash there would leave it, then resumed: steps 3 and 4 again
+    for later in ("checkpoints/step-000004", "model"):
+        shutil.rmtree(out_dir / later)
+    (out_dir / "results.json").unlink()
+    train([*flags, "--resume", "auto"], out_dir)
 
     from mlflow import MlflowClient
     client = MlflowClient(f"sqlite:///{out_dir / 'mlflow.db'}")
@@ -44,14 +50,14 @@ def test_mlflow_and_wandb_record_the_run_and_a_resume_continues_the_same_tracked
     run = runs[0]
     assert run.info.status == "FINISHED" and run.info.run_name == out_dir.name
     for key in ("train/loss", "val/acc"):
-        assert [m.step for m in client.get_metric_history(run.info.run_id, key)] == [2, 4], key
+        assert [m.step for m in client.get_metric_history(run.info.run_id, key)] == [2, 4, 4], key
 
     wandb_runs = sorted((out_dir / "wandb").glob("offline-run-*"))  # one offline folder per start of the run
     assert len(wandb_runs) == 2
     assert len({path.name.rsplit("-", 1)[1] for path in wandb_runs}) == 1, "the resume started another W&B run"
     first, resumed = map(wandb_history, wandb_runs)
     for key in ("train/loss", "val/acc"):
-        assert logged_steps(first, key) == [2] and logged_steps(resumed, key) == [4], key
+        assert logged_steps(first, key) == [2, 4] and logged_steps(resumed, key) == [4], key
     assert json.loads((out_dir / "trackers.json").read_text()) == {"mlflow": run.info.run_id,
                                                                    "wandb": wandb_runs[0].name.rsplit("-", 1)[1]}
 
