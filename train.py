@@ -93,10 +93,10 @@ def main(fabric, args, out_dir: Path) -> dict:
     if args.compile:
         model = compile_model(model, mode=args.compile_mode)
     model, optimizer, torch_optimizer = setup_model_and_optimizer(                              # Fabric step 3
-        fabric, model, lambda module: build_optimizer(module, name=args.optimizer, lr=args.lr,
-                                                      weight_decay=args.weight_decay, device=fabric.device,
-                                                      offload=offloads_optimizer(fabric),
-                                                      loss_scaling=scales_loss(fabric)))
+        fabric, model, lambda module, shapes: build_optimizer(module, name=args.optimizer, lr=args.lr,
+                                                              weight_decay=args.weight_decay, device=fabric.device,
+                                                              offload=offloads_optimizer(fabric),
+                                                              loss_scaling=scales_loss(fabric), shapes=shapes))
     if args.batch_size == "auto":  # probed on the model and optimizer as set up: wrapped, sharded, with state
         args.batch_size = find_batch_size(fabric, model, optimizer, make_batch=dummy_batch,
                                           loss_fn=objective.step_loss)

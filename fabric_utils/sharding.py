@@ -9,6 +9,7 @@ once for the whole forward: no memory saved over DDP, and no overlap of communic
 
 from typing import Callable
 
+import torch
 from lightning.fabric.strategies import DeepSpeedStrategy
 from torch import nn
 from torch.optim import Optimizer
@@ -65,17 +66,38 @@ def shard_blocks(model: nn.Module, device_mesh, grad_checkpointing: bool) -> nn.
     return model
 
 
-def setup_model_and_optimizer(fabric, model: nn.Module, make_optimizer: Callable[[nn.Module], Optimizer]):
+# the name parts that Fabric (``_forward_module``), FSDP, activation checkpointing and torch.compile insert into a
+# parameter's name when they wrap the module holding it
+WRAPPER_NAME_PARTS = frozenset({"_forward_module", "_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
+
+
+def unwrapped_name(name: str) -> str:
+    return ".".join(part for part in name.split(".") if part not in WRAPPER_NAME_PARTS)
+
+
+def full_shape(param: nn.Parameter) -> torch.Size:
+    """A parameter's shape as the model defines it; under ZeRO-3 (``deepspeed.zero.Init``) the tensor is this rank's
+    empty partition and DeepSpeed keeps the shape in ``ds_shape``."""
+    return getattr(param, "ds_shape", param.shape)
+
+
+def setup_model_and_optimizer(fabric, model: nn.Module,
+                              make_optimizer: Callable[[nn.Module, dict[str, torch.Size]], Optimizer]):
     """Fabric step 3: returns the set-up model and optimizer, and the plain torch optimizer inside (a learning-rate
     schedule drives that one: DeepSpeed's wrapper is no torch Optimizer, but steps the same parameter groups).
 
     FSDP shards the model first, and the optimizer must hold the sharded parameters, so it is built on the set-up
-    model; DeepSpeed builds its engine from model and optimizer together."""
+    model; DeepSpeed builds its engine from model and optimizer together. ``make_optimizer(module, shapes)`` gets
+    each parameter's shape before set-up by its name in ``module``: FSDP (not FSDP2) turns every parameter into a
+    1-D slice of its unit's flat shard, so a rule by shape (no weight decay on biases and norms) must read it there."""
     if isinstance(fabric.strategy, DeepSpeedStrategy):
-        optimizer = make_optimizer(model)
+        optimizer = make_optimizer(model, {name: full_shape(param) for name, param in model.named_parameters()})
         model, fabric_optimizer = fabric.setup(model, optimizer)
     else:
+        shapes = {unwrapped_name(name): full_shape(param) for name, param in model.named_parameters()}
         model = fabric.setup_module(model)
-        optimizer = make_optimizer(model)
+        # ``model.module`` is the module given, with FSDP's units inserted: its names lead back to ``shapes``
+        before = {id(param): shapes[unwrapped_name(name)] for name, param in model.module.named_parameters()}
+        optimizer = make_optimizer(model, {name: before[id(param)] for name, param in model.named_parameters()})
         fabric_optimizer = fabric.setup_optimizers(optimizer)
     return model, fabric_optimizer, optimizer

@@ -62,7 +62,8 @@ def main():
     flops_of = training_flops_fn(model, lambda m, n: huber(m(torch.zeros(n, 8, device="meta")),
                                                            torch.zeros(n, device="meta")), max_length=4)
     model, optimizer, _ = setup_model_and_optimizer(
-        fabric, model, lambda m: build_optimizer(m, name="adamw", lr=3e-2, weight_decay=0.01, device=fabric.device))
+        fabric, model, lambda m, shapes: build_optimizer(m, name="adamw", lr=3e-2, weight_decay=0.01,
+                                                         device=fabric.device, shapes=shapes))
     scheduler = build_scheduler(optimizer, "linear", lr=3e-2, max_steps=args.steps, warmup_steps=2)
     state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "step": 0, "meta": {"job": "plain"}}
     ckpt_dir = args.out_dir / "checkpoints"
