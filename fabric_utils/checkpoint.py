@@ -8,10 +8,12 @@ finished, so a folder without the ``.tmp-`` prefix is always complete; ``--resum
 import random
 import re
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import torch
+from lightning.fabric.strategies import DeepSpeedStrategy
 
 from fabric_utils.errors import UserError
 
@@ -47,7 +49,8 @@ def save_checkpoint(fabric, root: Path, tag: str, state: dict, keep_last: int | 
         shutil.rmtree(tmp)  # left by a run killed mid-write
     fabric.barrier()
     tmp.mkdir(parents=True, exist_ok=True)
-    fabric.save(tmp / "state", state)
+    with _deepspeed_weights_only(fabric, state):
+        fabric.save(tmp / "state", state)
     torch.save(rng_state(), tmp / f"rng-rank{fabric.global_rank}.pt")
     fabric.barrier()
     if fabric.is_global_zero:
@@ -61,6 +64,30 @@ def save_checkpoint(fabric, root: Path, tag: str, state: dict, keep_last: int | 
                 shutil.rmtree(stale)
     fabric.barrier()
     return final
+
+
+@contextmanager
+def _deepspeed_weights_only(fabric, state: dict):
+    """DeepSpeed writes its optimizer's whole state whatever ``state`` holds. For a checkpoint that holds no optimizer
+    (``checkpoints/best``, rewritten at every improvement) its ZeRO files then keep the fp32 master weights, which
+    loading the model and export read, but not Adam's two moments, twice their size, which only a resume needs."""
+    if not isinstance(fabric.strategy, DeepSpeedStrategy):
+        yield
+        return
+    from deepspeed.checkpoint.constants import BASE_OPTIMIZER_STATE, OPTIMIZER_STATE_DICT
+    from deepspeed.runtime.base_optimizer import DeepSpeedOptimizer
+
+    optimizer = fabric.strategy.model.optimizer  # the engine's ZeRO optimizer
+    if any(isinstance(obj, (torch.optim.Optimizer, DeepSpeedOptimizer)) for obj in state.values()):
+        yield
+        return
+    full = optimizer.state_dict  # where stages 1 and 2 (BASE_...) and stage 3 keep the moments
+    optimizer.state_dict = lambda: {k: v for k, v in full().items() if k not in (BASE_OPTIMIZER_STATE,
+                                                                                 OPTIMIZER_STATE_DICT)}
+    try:
+        yield
+    finally:
+        del optimizer.state_dict  # the class's own again
 
 
 def is_complete(path: Path) -> bool:
