@@ -42,7 +42,7 @@ def add_launch_args(parser: argparse.ArgumentParser) -> None:
                        help="how to spread the work: ddp, fsdp, fsdp2, deepspeed_stage_2, ... (default: auto)")
     group.add_argument("--precision", choices=PRECISIONS,
                        help="numeric precision (default: auto = bf16-mixed where the hardware supports it, "
-                            "16-mixed on older GPUs, else 32-true)")
+                            "16-mixed on older GPUs (32-true under fsdp2, which has no loss scaler), else 32-true)")
 
 
 def launched_by_cli() -> bool:
@@ -80,16 +80,19 @@ def resolve_launch_settings(flags: dict) -> dict:
             settings[name] = given if given is not None else FABRIC_DEFAULTS.get(name, "auto")
     settings["num_nodes"] = int(settings["num_nodes"])
     if settings["precision"] == "auto":
-        settings["precision"] = auto_precision(settings["accelerator"])
+        settings["precision"] = auto_precision(settings["accelerator"], settings["strategy"])
     return settings
 
 
-def auto_precision(accelerator: str) -> str:
+def auto_precision(accelerator: str, strategy: str = "auto") -> str:
     """bf16 autocast where the hardware runs bf16 natively, fp16 with loss scaling on older GPUs, else fp32.
-    ``torch.cuda.is_bf16_supported()`` alone also counts GPUs that only emulate bf16 (V100, T4)."""
+    ``torch.cuda.is_bf16_supported()`` alone also counts GPUs that only emulate bf16 (V100, T4). fsdp2 has no loss
+    scaler (Fabric's ModelParallelStrategy refuses 16-mixed), so on those GPUs it gets fp32."""
     use_cuda = accelerator in ("cuda", "gpu") or (accelerator == "auto" and torch.cuda.is_available())
     if use_cuda:
-        return "bf16-mixed" if torch.cuda.is_bf16_supported(including_emulation=False) else "16-mixed"
+        if torch.cuda.is_bf16_supported(including_emulation=False):
+            return "bf16-mixed"
+        return "32-true" if strategy == FSDP2 else "16-mixed"
     if accelerator in ("cpu", "auto") and cpu_has_native_bf16():
         return "bf16-mixed"
     return "32-true"

@@ -5,8 +5,12 @@ import os
 import sys
 
 import pytest
+import torch
 
-from conftest import REPO, SHIMS, SMALL_DEMO, run
+from conftest import REPO, SHIMS, SMALL_DEMO, build_fabric_from_flags, run
+from fabric_utils import launcher
+from fabric_utils.errors import UserError
+from test_launcher import fake_gpu
 
 TWO_CPUS = ["--accelerator", "cpu", "--devices", "2"]
 
@@ -35,3 +39,23 @@ def test_fsdp1_decays_every_matrix_and_nothing_else(fsdp1_run):
     assert groups[0.01] == {name for name, shape in shapes.items() if len(shape) >= 2}
     assert groups[0.0] == {name for name, shape in shapes.items() if len(shape) < 2}
     assert (fsdp1_run / "model" / "model.safetensors").exists()  # consolidated from FSDP1's shards
+
+
+def test_auto_precision_on_a_gpu_without_bf16_is_one_fsdp2_runs(monkeypatch):
+    """fsdp2 (Fabric's ModelParallelStrategy) has no loss scaler and refuses 16-mixed, which auto used to pick on
+    GPUs without native bf16 (V100, T4): the default flags did not start there."""
+    fake_gpu(monkeypatch, native_bf16=False)
+    auto = {"accelerator": "cuda", "devices": "1", "precision": "auto"}
+    picked = launcher.resolve_launch_settings({**auto, "strategy": launcher.FSDP2})["precision"]
+    assert launcher.resolve_launch_settings({**auto, "strategy": "ddp"})["precision"] == "16-mixed"
+    monkeypatch.undo()  # the strategy accepts or refuses a precision whatever the device: check it on this CPU
+    launcher.build_fabric(accelerator="cpu", devices="1", strategy=launcher.FSDP2, precision=picked)
+    with pytest.raises(UserError, match="does not support"):
+        launcher.build_fabric(accelerator="cpu", devices="1", strategy=launcher.FSDP2, precision="16-mixed")
+
+
+@pytest.mark.gpu
+def test_fsdp2_starts_with_the_default_precision_on_this_gpu():
+    fabric = build_fabric_from_flags("--accelerator", "cuda", "--devices", "1", "--strategy", "fsdp2")
+    native_bf16 = torch.cuda.get_device_capability() >= (8, 0)
+    assert fabric.strategy.precision.precision == ("bf16-mixed" if native_bf16 else "32-true")
