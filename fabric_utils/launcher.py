@@ -1,7 +1,8 @@
 """Map command-line flags to a ``lightning.Fabric``: accelerator, devices, num_nodes, strategy, precision.
 
 The choices come from Fabric's own registries, so every strategy Fabric knows (``ddp``, ``fsdp``,
-``deepspeed_stage_2_offload``, ...) works as a flag. Under ``fabric run`` the CLI's settings arrive as ``LT_*``
+``deepspeed_stage_2_offload``, ...) works as a flag, except those that spawn or fork a function (``ddp_spawn``,
+``ddp_fork``, ``ddp_notebook``, ``xla``, ``xla_fsdp``). Under ``fabric run`` the CLI's settings arrive as ``LT_*``
 environment variables and win; giving the same setting to both ``fabric run`` and ``train.py`` with different
 values stops with a message that says which to remove.
 """
@@ -18,7 +19,8 @@ from lightning.fabric import Fabric
 from lightning.fabric.accelerators import ACCELERATOR_REGISTRY
 from lightning.fabric.plugins.precision import DeepSpeedPrecision, Precision
 from lightning.fabric.plugins.precision.precision import _PRECISION_INPUT_STR, _PRECISION_INPUT_STR_ALIAS
-from lightning.fabric.strategies import STRATEGY_REGISTRY, DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
+from lightning.fabric.strategies import (STRATEGY_REGISTRY, DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy,
+                                         XLAFSDPStrategy, XLAStrategy)
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
@@ -38,11 +40,22 @@ def add_launch_args(parser: argparse.ArgumentParser) -> None:
                        help="hardware to run on (default: auto)")
     group.add_argument("--devices", help="devices per node: a count (4), a list (0,1), -1 or auto (default)")
     group.add_argument("--num-nodes", type=int, help="number of machines (default: 1)")
-    group.add_argument("--strategy", choices=("auto", *STRATEGY_REGISTRY.available_strategies(), FSDP2),
+    group.add_argument("--strategy", choices=("auto", *launchable_strategies(), FSDP2),
                        help="how to spread the work: ddp, fsdp, fsdp2, deepspeed_stage_2, ... (default: auto)")
     group.add_argument("--precision", choices=PRECISIONS,
                        help="numeric precision (default: auto = bf16-mixed where the hardware supports it, "
                             "16-mixed on older GPUs (32-true under fsdp2, which has no loss scaler), else 32-true)")
+
+
+def launchable_strategies() -> list[str]:
+    """Fabric's strategy names that ``fabric.launch()`` starts as this script runs: it starts the other processes
+    by running the script again. Those that spawn or fork (``ddp_spawn``, ``ddp_fork``, ``ddp_notebook``) or run
+    under XLA's launcher need the whole job handed to ``launch`` as one function, and refuse to start without."""
+    def launchable(name: str) -> bool:
+        entry = STRATEGY_REGISTRY[name]
+        return (entry["init_params"].get("start_method", "popen") == "popen"
+                and not issubclass(entry["strategy"], (XLAStrategy, XLAFSDPStrategy)))
+    return [name for name in STRATEGY_REGISTRY.available_strategies() if launchable(name)]
 
 
 def launched_by_cli() -> bool:
