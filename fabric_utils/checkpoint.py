@@ -16,8 +16,10 @@ import torch
 from lightning.fabric.strategies import DeepSpeedStrategy
 
 from fabric_utils.errors import UserError
+from fabric_utils.launcher import scales_loss
 
 STEP_PATTERN = re.compile(r"^step-(\d+)$")
+LOSS_SCALER = "loss_scaler"
 
 
 def rng_state() -> dict:
@@ -50,7 +52,7 @@ def save_checkpoint(fabric, root: Path, tag: str, state: dict, keep_last: int | 
     fabric.barrier()
     tmp.mkdir(parents=True, exist_ok=True)
     with _deepspeed_weights_only(fabric, state):
-        fabric.save(tmp / "state", state)
+        fabric.save(tmp / "state", with_loss_scaler(fabric, state))
     torch.save(rng_state(), tmp / f"rng-rank{fabric.global_rank}.pt")
     fabric.barrier()
     if fabric.is_global_zero:
@@ -64,6 +66,13 @@ def save_checkpoint(fabric, root: Path, tag: str, state: dict, keep_last: int | 
                 shutil.rmtree(stale)
     fabric.barrier()
     return final
+
+
+def with_loss_scaler(fabric, state: dict) -> dict:
+    """``state`` and, under 16-mixed, Fabric's precision plugin, whose state is its loss scaler's: the scale and the
+    steps since it last grew. Fabric leaves it out of checkpoints, and a resume that restarted at the first scale
+    would skip steps the uninterrupted run took. (DeepSpeed keeps its own scaler in its ZeRO files.)"""
+    return {**state, LOSS_SCALER: fabric.strategy.precision} if scales_loss(fabric) else state
 
 
 @contextmanager
@@ -149,9 +158,10 @@ def load_checkpoint(fabric, path: Path, state: dict, expected_meta: dict | None 
                             ) from err
         if expected_meta is not None:  # another model or label set would fail below with a cryptic shape error
             _check_meta(path, found, expected_meta)
-    live = {key: obj for key, obj in state.items() if hasattr(obj, "load_state_dict")}
+    target = with_loss_scaler(fabric, state)  # fabric.load restores it in place, in the plugin
+    live = {key: obj for key, obj in target.items() if hasattr(obj, "load_state_dict")}
     try:
-        remainder = fabric.load(path / "state", state, weights_only=True)
+        remainder = fabric.load(path / "state", target, weights_only=True)
     except Exception as err:  # torch, safetensors and DeepSpeed each raise their own kinds for a bad file
         message = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise UserError(f"cannot restore checkpoint {path}: {message[:300]} (is it from another model or "
@@ -159,9 +169,10 @@ def load_checkpoint(fabric, path: Path, state: dict, expected_meta: dict | None 
     for key, obj in live.items():
         # sharded FSDP and FSDP2 checkpoints hand back a stateful object that is neither model nor optimizer (the
         # scheduler) as its saved state_dict in place of the object: load it into the object, as the others do
-        if state[key] is not obj:
-            obj.load_state_dict(state[key])
-            state[key] = obj
+        if target[key] is not obj:
+            obj.load_state_dict(target[key])
+            target[key] = obj
+    state.update({key: target[key] for key in state})  # fabric.load wrote the plain values (step, ...) into target
     if expected_meta is not None:
         _check_meta(path, remainder.get("meta", state.get("meta")), expected_meta)
     rng_file = path / f"rng-rank{fabric.global_rank}.pt"
