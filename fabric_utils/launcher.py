@@ -26,7 +26,7 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
 from fabric_utils.errors import UserError
-from fabric_utils.sharding import BlockPolicy, shard_blocks
+from fabric_utils.sharding import BlockPolicy, mixed_precision_policy, shard_blocks
 
 LAUNCH_SETTINGS = ("accelerator", "devices", "num_nodes", "strategy", "precision")
 FABRIC_DEFAULTS = {"accelerator": "auto", "devices": "auto", "num_nodes": 1, "strategy": "auto"}
@@ -146,7 +146,8 @@ def build_strategy(settings: dict, grad_checkpointing: bool):
     Face's own checkpointing conflicts with FSDP). ``fsdp2`` puts every process in one sharding group."""
     name = settings["strategy"]
     if name == FSDP2:
-        return ModelParallelStrategy(partial(shard_blocks, grad_checkpointing=grad_checkpointing),
+        return ModelParallelStrategy(partial(shard_blocks, grad_checkpointing=grad_checkpointing,
+                                             mp_policy=mixed_precision_policy(settings["precision"])),
                                      data_parallel_size=count_processes(settings), tensor_parallel_size=1)
     if is_fsdp(name):
         blocks = BlockPolicy()

@@ -16,7 +16,7 @@ from torch.optim import Optimizer
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (CheckpointWrapper,
                                                                          apply_activation_checkpointing,
                                                                          checkpoint_wrapper)
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from fabric_utils.errors import UserError
 
@@ -49,7 +49,17 @@ class BlockPolicy:
         return recurse or isinstance(module, self.blocks)
 
 
-def shard_blocks(model: nn.Module, device_mesh, grad_checkpointing: bool) -> nn.Module:
+def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy:
+    """Under bf16-mixed, FSDP2 gathers each unit's weights in bf16, the dtype autocast computes in (half the bytes of
+    fp32), and reduce-scatters the gradients in fp32, so the sum over ranks does not round; the sharded weights,
+    their gradients and the optimizer stay fp32. Other precisions gather the weights as they are."""
+    if precision == "bf16-mixed":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def shard_blocks(model: nn.Module, device_mesh, grad_checkpointing: bool,
+                 mp_policy: MixedPrecisionPolicy) -> nn.Module:
     """The ``parallelize_fn`` of ``--strategy fsdp2``: ``fully_shard`` on each block, then on the root for the rest
     (embeddings, head). With ``grad_checkpointing`` each block is first wrapped to recompute its activations in
     backward, inside its own shard unit (the order torchtitan uses)."""
@@ -61,8 +71,8 @@ def shard_blocks(model: nn.Module, device_mesh, grad_checkpointing: bool) -> nn.
     mesh = device_mesh["data_parallel"]
     for module in reversed(list(model.modules())):  # innermost first: a parameter belongs to its innermost unit
         if isinstance(module, blocks):
-            fully_shard(module, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+            fully_shard(module, mesh=mesh, mp_policy=mp_policy)
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy)
     return model
 
 

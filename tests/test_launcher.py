@@ -155,8 +155,8 @@ def test_block_classes_without_no_split_modules_are_those_of_the_layer_list():
 @pytest.mark.parametrize("strategy, by_model", [("ddp", True), ("fsdp", False), ("fsdp2", False)])
 def test_grad_checkpointing_is_left_to_fsdp(strategy, by_model):
     """Hugging Face's checkpointing conflicts with FSDP, which checkpoints the blocks it shards itself."""
-    built = launcher.build_strategy({"strategy": strategy, "accelerator": "cpu", "devices": "2", "num_nodes": 1},
-                                    grad_checkpointing=True)
+    built = launcher.build_strategy({"strategy": strategy, "accelerator": "cpu", "devices": "2", "num_nodes": 1,
+                                     "precision": "32-true"}, grad_checkpointing=True)
     assert launcher.strategy_checkpoints_blocks(built) != by_model
 
 

@@ -1,6 +1,8 @@
-"""Sharded and mixed-precision paths that train silently differently or refuse to start: FSDP1's weight decay (run on
-2 CPU processes through the test-only shim in tests/shims/sitecustomize.py), ..."""
+"""Sharded and mixed-precision paths that used to train silently differently or refuse to start: FSDP1's weight decay
+(on 2 CPU processes through the test-only shim in tests/shims/sitecustomize.py), fsdp2's precision under auto and
+what its collectives move under bf16-mixed (tests/fsdp2_precision_probe.py)."""
 
+import json
 import os
 import sys
 
@@ -59,3 +61,13 @@ def test_fsdp2_starts_with_the_default_precision_on_this_gpu():
     fabric = build_fabric_from_flags("--accelerator", "cuda", "--devices", "1", "--strategy", "fsdp2")
     native_bf16 = torch.cuda.get_device_capability() >= (8, 0)
     assert fabric.strategy.precision.precision == ("bf16-mixed" if native_bf16 else "32-true")
+
+
+def test_fsdp2_bf16_mixed_gathers_bf16_weights_and_reduces_fp32_gradients(tmp_path):
+    """Without a MixedPrecisionPolicy FSDP2 gathered the fp32 weights, twice the bytes of the bf16 autocast computes
+    in. Training still matches one process under the same autocast on the same rows."""
+    out = tmp_path / "probe.json"
+    run([sys.executable, "tests/fsdp2_precision_probe.py", "bf16-mixed", str(out)])
+    found = json.loads(out.read_text())
+    assert set(found["gathered"]) == {"torch.bfloat16"} and set(found["reduced"]) == {"torch.float32"}
+    assert found["losses"] == pytest.approx(found["reference_losses"], rel=2e-2)
