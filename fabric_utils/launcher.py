@@ -208,8 +208,13 @@ def configure_deepspeed(strategy: DeepSpeedStrategy, grad_clip: float) -> None:
     one that tells the engine whether the coming backward ends the accumulation group, DeepSpeed's own
     ``set_gradient_accumulation_boundary``. ZeRO-1 then reduces the gradients once per optimizer step, in the last
     micro-batch's backward; ZeRO-2 and 3 keep only their shard of the gradients, so every backward reduce-scatters
-    and the shards accumulate."""
+    and the shards accumulate. Under bf16 those shards would be bf16 (DeepSpeed accumulates in the weights' dtype
+    unless told), rounding the sum to 8 bits at every micro-batch: fp32 instead. Not under ZeRO-1, which adds the
+    micro-batches up in the bf16 ``.grad`` as plain autograd does: asked for fp32 there, DeepSpeed swaps in its
+    BF16_Optimizer, whose checkpoints its own zero_to_fp32 cannot read back, so export would fail."""
     strategy.config["gradient_clipping"] = grad_clip
+    if strategy.precision.precision.startswith("bf16") and strategy.config["zero_optimization"]["stage"] >= 2:
+        strategy.config.setdefault("data_types", {})["grad_accum_dtype"] = "fp32"
     strategy._backward_sync_control = _DeepSpeedAccumulationBoundary()
 
 

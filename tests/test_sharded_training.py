@@ -1,6 +1,6 @@
 """Sharded and mixed-precision paths that used to train silently differently or refuse to start: FSDP1's weight decay
 (on 2 CPU processes through the test-only shim in tests/shims/sitecustomize.py), fsdp2's precision under auto and
-what its collectives move under bf16-mixed (tests/fsdp2_precision_probe.py)."""
+what its collectives move under bf16-mixed (tests/fsdp2_precision_probe.py), the dtype ZeRO accumulates in."""
 
 import json
 import os
@@ -71,3 +71,14 @@ def test_fsdp2_bf16_mixed_gathers_bf16_weights_and_reduces_fp32_gradients(tmp_pa
     found = json.loads(out.read_text())
     assert set(found["gathered"]) == {"torch.bfloat16"} and set(found["reduced"]) == {"torch.float32"}
     assert found["losses"] == pytest.approx(found["reference_losses"], rel=2e-2)
+
+
+@pytest.mark.parametrize("strategy, precision, accumulates_in", [
+    ("deepspeed_stage_2", "bf16-mixed", "fp32"), ("deepspeed_stage_3_offload", "bf16-true", "fp32"),
+    ("deepspeed_stage_2", "32-true", None), ("deepspeed_stage_1", "bf16-mixed", None)])
+def test_zero_2_and_3_accumulate_bf16_gradients_in_fp32(strategy, precision, accumulates_in):
+    """DeepSpeed accumulates micro-batch gradients in the weights' dtype unless its config says otherwise: bf16
+    gradient shards under --grad-accum rounded the sum at every micro-batch. (ZeRO-1 would swap in DeepSpeed's
+    BF16_Optimizer, whose checkpoints zero_to_fp32 cannot export.)"""
+    fabric = launcher.build_fabric(accelerator="cpu", devices="2", strategy=strategy, precision=precision)
+    assert fabric.strategy.config.get("data_types", {}).get("grad_accum_dtype") == accumulates_in
