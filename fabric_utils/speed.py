@@ -88,7 +88,7 @@ class Throughput:
     def __init__(self, fabric, peak_tflops: float | None, flops_of: Callable[[int, int, int], float]):
         self.fabric, self.flops_of = fabric, flops_of
         self.monitor = ThroughputMonitor(fabric, window_size=5)
-        if peak_tflops:  # Fabric knows the peak of common GPUs, not of CPUs
+        if peak_tflops:  # Fabric knows the peak of common GPUs, not of CPUs nor of every GPU (H200)
             self.monitor.available_flops = peak_tflops * 1e12
         self.counts = torch.zeros(3, dtype=torch.int64, device=fabric.device)  # rows, tokens, sum of lengths²
         self.flops_logged = 0.0
