@@ -5,25 +5,44 @@ import os
 import signal
 import time
 
+import torch
+
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "try again later"
 LAUNCHER_EXIT_WAIT_S = 30.0
+# how often ranks vote on stopping: SLURM's USR1@90 leaves 90 s for the rest of the step, the vote and the checkpoint
+VOTE_EVERY_S = 5.0
 
 
 class Preemption:
-    def __init__(self, signals=(signal.SIGTERM, signal.SIGUSR1)):
+    def __init__(self, signals=(signal.SIGTERM, signal.SIGUSR1), vote_every_s: float = VOTE_EVERY_S):
         self.requested = False
+        self.vote_every_s = vote_every_s
+        self.next_vote, self.last_vote = 1, None  # the step of the next vote; (step, time) of the last
         for sig in signals:
             signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame):
         self.requested = True
 
-    def agreed(self, fabric, check_now: bool) -> bool:
-        """Whether all ranks stop now. A signal may reach only some ranks (``kill`` of the launcher process), so
-        ranks agree through an all-reduce, done only every ``check_now`` step since it syncs the device."""
+    def agreed(self, fabric, step: int) -> bool:
+        """Whether all ranks stop after ``step``. A signal may reach only some ranks (``kill`` of the launcher
+        process), so ranks vote through an all-reduce. It syncs the device, so it runs about every ``vote_every_s``
+        seconds, at every step when steps take longer. Each rank proposes when to vote next, as many steps as fit in
+        that time at the pace since the last vote; the vote takes the earliest, so every rank votes at the same
+        steps."""
         if fabric.world_size == 1:
             return self.requested
-        return check_now and fabric.strategy.reduce_boolean_decision(self.requested, all=False)
+        if step < self.next_vote:
+            return False
+        now = time.monotonic()
+        steps_apart = 1
+        if self.last_vote is not None:
+            last_step, last_time = self.last_vote
+            steps_apart = max(1, int(self.vote_every_s * (step - last_step) / max(now - last_time, 1e-6)))
+        stop, earliest = fabric.all_reduce(torch.tensor([float(self.requested), -float(steps_apart)]),
+                                           reduce_op="max").tolist()
+        self.next_vote, self.last_vote = step + int(-earliest), (step, now)
+        return stop > 0
 
     def exit(self, fabric):
         """Exits with ``EXIT_PREEMPTED`` once the checkpoint is saved on every rank.
