@@ -22,7 +22,7 @@ import task
 from data.batching import make_collator, make_dataloaders
 from fabric_utils.args import build_parser, parse_flags
 from fabric_utils.batch_size import find_batch_size
-from fabric_utils.checkpoint import find_resume_checkpoint, load_checkpoint, save_checkpoint
+from fabric_utils.checkpoint import agreed_resume_checkpoint, load_checkpoint, save_checkpoint
 from fabric_utils.errors import UserError, exit_on_user_error
 from fabric_utils.export import export_model
 from fabric_utils.launcher import (build_fabric, clips_in_loop, launch, strategy_checkpoints_blocks,
@@ -108,7 +108,7 @@ def main(fabric, args, out_dir: Path) -> dict:
     meta = {"model": data.model_source, "labels": data.label_names, "problem_type": data.problem_type}
     state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "step": 0, "epoch": 0,
              "batch_in_epoch": 0, "best_val": {}, "meta": meta, "config": vars(args)}
-    resume_from = find_resume_checkpoint(args.resume, out_dir / "checkpoints")
+    resume_from = agreed_resume_checkpoint(fabric, args.resume, out_dir / "checkpoints")
     if resume_from:
         load_checkpoint(fabric, resume_from, state, expected_meta=meta)
         fabric.print(f"resumed from {resume_from} at step {state['step']}")

@@ -146,6 +146,19 @@ def find_resume_checkpoint(resume: str | None, root: Path) -> Path | None:
     return path
 
 
+def agreed_resume_checkpoint(fabric, resume: str | None, root: Path) -> Path | None:
+    """``find_resume_checkpoint`` as rank 0 sees it, on every rank: ranks that listed the folder each for themselves
+    could pick different checkpoints (a node-local --out-dir, a network file system that shows new folders late)."""
+    found = find_resume_checkpoint(resume, root) if fabric.is_global_zero else None
+    chosen = fabric.broadcast(None if found is None else str(found))
+    if chosen is None:
+        return None
+    if not is_complete(Path(chosen)):
+        raise UserError(f"cannot resume: rank 0 resumes from {chosen}, which rank {fabric.global_rank} does not see "
+                        f"whole; give every node the same --out-dir on a shared file system")
+    return Path(chosen)
+
+
 def load_checkpoint(fabric, path: Path, state: dict, expected_meta: dict | None = None) -> dict:
     """Restores ``state`` in place from ``path`` and this rank's RNG streams; returns what was not restored in
     place. Refuses a checkpoint of another model or label set, and one that cannot be read, with a UserError."""

@@ -16,7 +16,7 @@ from torchmetrics import MetricCollection
 from torchmetrics.regression import MeanSquaredError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from fabric_utils.checkpoint import find_resume_checkpoint, load_checkpoint, save_checkpoint  # noqa: E402
+from fabric_utils.checkpoint import agreed_resume_checkpoint, load_checkpoint, save_checkpoint  # noqa: E402
 from fabric_utils.launcher import build_fabric, launch  # noqa: E402
 from fabric_utils.loggers import make_loggers  # noqa: E402
 from fabric_utils.optim import build_optimizer, build_scheduler  # noqa: E402
@@ -68,7 +68,8 @@ def main():
     state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "step": 0, "meta": {"job": "plain"}}
     ckpt_dir = args.out_dir / "checkpoints"
     if args.resume:
-        load_checkpoint(fabric, find_resume_checkpoint("auto", ckpt_dir), state, expected_meta={"job": "plain"})
+        load_checkpoint(fabric, agreed_resume_checkpoint(fabric, "auto", ckpt_dir), state,
+                        expected_meta={"job": "plain"})
     progress = Progress(fabric, args.steps, quiet=True, metrics=MetricCollection({"mse": MeanSquaredError()}))
     monitor = Throughput(fabric, peak_tflops=1.0, flops_of=flops_of)
     monitor.start(state["step"])
