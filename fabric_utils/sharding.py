@@ -11,6 +11,7 @@ from typing import Callable
 
 import torch
 from lightning.fabric.strategies import DeepSpeedStrategy
+from lightning.fabric.wrappers import _unwrap_compiled
 from torch import nn
 from torch.optim import Optimizer
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (CheckpointWrapper,
@@ -101,8 +102,14 @@ def setup_model_and_optimizer(fabric, model: nn.Module,
     each parameter's shape before set-up by its name in ``module``: FSDP (not FSDP2) turns every parameter into a
     1-D slice of its unit's flat shard, so a rule by shape (no weight decay on biases and norms) must read it there."""
     if isinstance(fabric.strategy, DeepSpeedStrategy):
+        # DeepSpeed compiles the module inside its engine itself, its hooks left eager; Fabric would compile the
+        # whole engine (its bookkeeping, ZeRO-3's parameter fetches) as it compiles a DDP wrapper
+        model, compile_kwargs = _unwrap_compiled(model)
         optimizer = make_optimizer(model, {name: full_shape(param) for name, param in model.named_parameters()})
         model, fabric_optimizer = fabric.setup(model, optimizer)
+        if compile_kwargs is not None:
+            backend = {"backend": compile_kwargs.pop("backend")} if "backend" in compile_kwargs else {}
+            fabric.strategy.model.compile(**backend, compile_kwargs=compile_kwargs)
     else:
         shapes = {unwrapped_name(name): full_shape(param) for name, param in model.named_parameters()}
         model = fabric.setup_module(model)
