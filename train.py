@@ -189,7 +189,7 @@ def fit(fabric, args, state, loaders, preemption, ckpt_dir, max_steps, flops_of,
 
             if step % args.log_every == 0 or step == max_steps:  # the only host-device syncs of the hot loop
                 log_step(fabric, progress, monitor, step, lr=scheduler.get_last_lr()[0], max_lr=args.lr)
-            preempted = preemption.agreed(fabric, step)
+            preempted = preemption.agreed(fabric)
             epoch_ends = state["batch_in_epoch"] == epoch_batches
             if epoch_ends or (args.val_every and step % args.val_every == 0) or step == max_steps:
                 with monitor.paused():  # the throughput clock counts training time only

@@ -6,43 +6,39 @@ import signal
 import time
 
 import torch
+import torch.distributed as dist
 
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "try again later"
 LAUNCHER_EXIT_WAIT_S = 30.0
-# how often ranks vote on stopping: SLURM's USR1@90 leaves 90 s for the rest of the step, the vote and the checkpoint
-VOTE_EVERY_S = 5.0
 
 
 class Preemption:
-    def __init__(self, signals=(signal.SIGTERM, signal.SIGUSR1), vote_every_s: float = VOTE_EVERY_S):
+    def __init__(self, signals=(signal.SIGTERM, signal.SIGUSR1)):
         self.requested = False
-        self.vote_every_s = vote_every_s
-        self.next_vote, self.last_vote = 1, None  # the step of the next vote; (step, time) of the last
+        self.group, self.vote = None, None  # the processes' vote group; the vote in flight and its flag
         for sig in signals:
             signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame):
         self.requested = True
 
-    def agreed(self, fabric, step: int) -> bool:
-        """Whether all ranks stop after ``step``. A signal may reach only some ranks (``kill`` of the launcher
-        process), so ranks vote through an all-reduce. It syncs the device, so it runs about every ``vote_every_s``
-        seconds, at every step when steps take longer. Each rank proposes when to vote next, as many steps as fit in
-        that time at the pace since the last vote; the vote takes the earliest, so every rank votes at the same
-        steps."""
+    def agreed(self, fabric) -> bool:
+        """Whether all ranks stop now, one step after a signal reached any of them. A signal may reach only some
+        ranks (``kill`` of the launcher process), so ranks vote every step with an all-reduce of a host tensor
+        over gloo, started without waiting and read a step later: it never waits on the device, and by then it
+        has long arrived. Every rank reads the same vote at the same step, so all stop together."""
         if fabric.world_size == 1:
             return self.requested
-        if step < self.next_vote:
-            return False
-        now = time.monotonic()
-        steps_apart = 1
-        if self.last_vote is not None:
-            last_step, last_time = self.last_vote
-            steps_apart = max(1, int(self.vote_every_s * (step - last_step) / max(now - last_time, 1e-6)))
-        stop, earliest = fabric.all_reduce(torch.tensor([float(self.requested), -float(steps_apart)]),
-                                           reduce_op="max").tolist()
-        self.next_vote, self.last_vote = step + int(-earliest), (step, now)
-        return stop > 0
+        if self.group is None:  # every rank gets here at its first step
+            self.group = dist.new_group(backend="gloo")
+        stop = False
+        if self.vote is not None:
+            work, flag = self.vote
+            work.wait()
+            stop = bool(flag.item())
+        flag = torch.tensor([int(self.requested)])
+        self.vote = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True), flag
+        return stop
 
     def exit(self, fabric):
         """Exits with ``EXIT_PREEMPTED`` once the checkpoint is saved on every rank.
