@@ -21,7 +21,7 @@ from torchmetrics import MeanMetric, SumMetric
 import task
 from fabric_utils.args import build_parser, parse_flags
 from fabric_utils.batch_size import find_batch_size
-from fabric_utils.checkpoint import find_resume_checkpoint, load_checkpoint, save_checkpoint
+from fabric_utils.checkpoint import agreed_resume_checkpoint, load_checkpoint, save_checkpoint
 from fabric_utils.errors import UserError, exit_on_user_error
 from fabric_utils.export import export_model
 from fabric_utils.launcher import (build_fabric, clips_in_loop, launch, offloads_optimizer, scales_loss,
@@ -95,10 +95,10 @@ def main(fabric, args, out_dir: Path) -> dict:
     if args.compile:
         model = compile_model(model, mode=args.compile_mode)
     model, optimizer, torch_optimizer = setup_model_and_optimizer(                              # Fabric step 3
-        fabric, model, lambda module: build_optimizer(module, name=args.optimizer, lr=args.lr,
-                                                      weight_decay=args.weight_decay, device=fabric.device,
-                                                      offload=offloads_optimizer(fabric),
-                                                      loss_scaling=scales_loss(fabric)))
+        fabric, model, lambda module, shapes: build_optimizer(module, name=args.optimizer, lr=args.lr,
+                                                              weight_decay=args.weight_decay, device=fabric.device,
+                                                              offload=offloads_optimizer(fabric),
+                                                              loss_scaling=scales_loss(fabric), shapes=shapes))
     if args.batch_size == "auto":  # probed on the model and optimizer as set up: wrapped, sharded, with state
         args.batch_size = find_batch_size(fabric, model, optimizer, loss_fn=step_loss,
                                           make_batch=lambda rows: job.example_batch(rows, None, fabric.device))
@@ -111,7 +111,7 @@ def main(fabric, args, out_dir: Path) -> dict:
     meta = {**job.meta, **optimization(args, fabric.world_size, max_steps)}
     state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "step": 0, "epoch": 0,
              "batch_in_epoch": 0, "best_val": {}, "meta": meta, "config": vars(args)}
-    resume_from = find_resume_checkpoint(args.resume, out_dir / "checkpoints", report=fabric.print)
+    resume_from = agreed_resume_checkpoint(fabric, args.resume, out_dir / "checkpoints", report=fabric.print)
     if resume_from:
         load_checkpoint(fabric, resume_from, state, expected_meta=meta)
         fabric.print(f"resumed from {resume_from} at step {state['step']}")
@@ -204,7 +204,7 @@ def fit(fabric, args, state, loaders, preemption, ckpt_dir, max_steps, flops_of,
 
             if step % args.log_every == 0 or step == max_steps:  # the only host-device syncs of the hot loop
                 log_step(fabric, progress, monitor, step, lr=scheduler.get_last_lr()[0], max_lr=args.lr)
-            preempted = preemption.agreed(fabric, check_now=step % args.log_every == 0)
+            preempted = preemption.agreed(fabric)
             epoch_ends = state["batch_in_epoch"] == epoch_batches
             if epoch_ends or (args.val_every and step % args.val_every == 0) or step == max_steps:
                 with monitor.paused():  # the throughput clock counts training time only

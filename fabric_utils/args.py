@@ -106,7 +106,9 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     g.add_argument("--num-workers", type=int, help="DataLoader worker processes per rank (default: from CPU count "
                    "and processes per node)")
     g.add_argument("--peak-tflops", type=positive_float,
-                   help="peak TFLOP/s of one device, for MFU where Fabric does not know it (CPUs)")
+                   help="peak dense TFLOP/s of one device in the training precision, for MFU where Fabric does not "
+                        "know it: CPUs, and GPUs missing from its table (it warns 'FLOPs not found'), e.g. an H200, "
+                        "which reports itself as 'NVIDIA H200' (989 for bf16, as an H100 SXM)")
 
     g = p.add_argument_group("evaluation, checkpoints and output")
     g.add_argument("--val-every", type=positive_int, help="also validate every N optimizer steps")

@@ -13,15 +13,19 @@ import random
 import re
 import shutil
 from collections.abc import Callable
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import torch
+from lightning.fabric.strategies import DeepSpeedStrategy
 
 from fabric_utils.errors import UserError
+from fabric_utils.launcher import scales_loss
 
 STEP_PATTERN = re.compile(r"^step-(\d+)$")
 MANIFEST = "manifest.json"
+LOSS_SCALER = "loss_scaler"
 
 
 def rng_state() -> dict:
@@ -54,7 +58,8 @@ def save_checkpoint(fabric, root: Path, tag: str, state: dict, keep_last: int | 
     fabric.barrier()
     try:
         tmp.mkdir(parents=True, exist_ok=True)
-        fabric.save(tmp / "state", state)
+        with _deepspeed_weights_only(fabric, state):
+            fabric.save(tmp / "state", with_loss_scaler(fabric, state))
         torch.save(rng_state(), tmp / f"rng-rank{fabric.global_rank}.pt")
     except OSError as err:
         if err.errno != errno.ENOSPC:
@@ -78,6 +83,37 @@ def save_checkpoint(fabric, root: Path, tag: str, state: dict, keep_last: int | 
                     shutil.rmtree(stale)
     fabric.barrier()
     return final
+
+
+def with_loss_scaler(fabric, state: dict) -> dict:
+    """``state`` and, under 16-mixed, Fabric's precision plugin, whose state is its loss scaler's: the scale and the
+    steps since it last grew. Fabric leaves it out of checkpoints, and a resume that restarted at the first scale
+    would skip steps the uninterrupted run took. (DeepSpeed keeps its own scaler in its ZeRO files.)"""
+    return {**state, LOSS_SCALER: fabric.strategy.precision} if scales_loss(fabric) else state
+
+
+@contextmanager
+def _deepspeed_weights_only(fabric, state: dict):
+    """DeepSpeed writes its optimizer's whole state whatever ``state`` holds. For a checkpoint that holds no optimizer
+    (``checkpoints/best``, rewritten at every improvement) its ZeRO files then keep the fp32 master weights, which
+    loading the model and export read, but not Adam's two moments, twice their size, which only a resume needs."""
+    if not isinstance(fabric.strategy, DeepSpeedStrategy):
+        yield
+        return
+    from deepspeed.checkpoint.constants import BASE_OPTIMIZER_STATE, OPTIMIZER_STATE_DICT
+    from deepspeed.runtime.base_optimizer import DeepSpeedOptimizer
+
+    optimizer = fabric.strategy.model.optimizer  # the engine's ZeRO optimizer
+    if any(isinstance(obj, (torch.optim.Optimizer, DeepSpeedOptimizer)) for obj in state.values()):
+        yield
+        return
+    full = optimizer.state_dict  # where stages 1 and 2 (BASE_...) and stage 3 keep the moments
+    optimizer.state_dict = lambda: {k: v for k, v in full().items() if k not in (BASE_OPTIMIZER_STATE,
+                                                                                 OPTIMIZER_STATE_DICT)}
+    try:
+        yield
+    finally:
+        del optimizer.state_dict  # the class's own again
 
 
 def write_manifest(folder: Path) -> None:
@@ -155,6 +191,20 @@ def find_resume_checkpoint(resume: str | None, root: Path, report: Callable[[str
     return path
 
 
+def agreed_resume_checkpoint(fabric, resume: str | None, root: Path,
+                             report: Callable[[str], None] = print) -> Path | None:
+    """``find_resume_checkpoint`` as rank 0 sees it, on every rank: ranks that listed the folder each for themselves
+    could pick different checkpoints (a node-local --out-dir, a network file system that shows new folders late)."""
+    found = find_resume_checkpoint(resume, root, report) if fabric.is_global_zero else None
+    chosen = fabric.broadcast(None if found is None else str(found))
+    if chosen is None:
+        return None
+    if not is_complete(Path(chosen)):
+        raise UserError(f"cannot resume: rank 0 resumes from {chosen}, which rank {fabric.global_rank} does not see "
+                        f"whole; give every node the same --out-dir on a shared file system")
+    return Path(chosen)
+
+
 def load_checkpoint(fabric, path: Path, state: dict, expected_meta: dict | None = None) -> dict:
     """Restores ``state`` in place from ``path`` and this rank's RNG streams; returns what was not restored in
     place. Refuses a checkpoint of another model or label set, and one that cannot be read, with a UserError."""
@@ -167,9 +217,10 @@ def load_checkpoint(fabric, path: Path, state: dict, expected_meta: dict | None 
                             ) from err
         if expected_meta is not None:  # another model or label set would fail below with a cryptic shape error
             _check_meta(path, found, expected_meta)
-    live = {key: obj for key, obj in state.items() if hasattr(obj, "load_state_dict")}
+    target = with_loss_scaler(fabric, state)  # fabric.load restores it in place, in the plugin
+    live = {key: obj for key, obj in target.items() if hasattr(obj, "load_state_dict")}
     try:
-        remainder = fabric.load(path / "state", state, weights_only=True)
+        remainder = fabric.load(path / "state", target, weights_only=True)
     except Exception as err:  # torch, safetensors and DeepSpeed each raise their own kinds for a bad file
         message = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise UserError(f"cannot restore checkpoint {path}: {message[:300]} (is it from another model or "
@@ -177,9 +228,10 @@ def load_checkpoint(fabric, path: Path, state: dict, expected_meta: dict | None 
     for key, obj in live.items():
         # sharded FSDP and FSDP2 checkpoints hand back a stateful object that is neither model nor optimizer (the
         # scheduler) as its saved state_dict in place of the object: load it into the object, as the others do
-        if state[key] is not obj:
-            obj.load_state_dict(state[key])
-            state[key] = obj
+        if target[key] is not obj:
+            obj.load_state_dict(target[key])
+            target[key] = obj
+    state.update({key: target[key] for key in state})  # fabric.load wrote the plain values (step, ...) into target
     if expected_meta is not None:
         _check_meta(path, remainder.get("meta", state.get("meta")), expected_meta)
     rng_file = path / f"rng-rank{fabric.global_rank}.pt"

@@ -12,10 +12,23 @@ def full_state_dict(state_path: Path) -> dict:
     if state_path.is_file():  # single device, DDP
         return torch.load(state_path, map_location="cpu", weights_only=True)["model"]
     if (state_path / "latest").exists() or any(state_path.glob("*/mp_rank_*")):  # DeepSpeed ZeRO shards
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-        return get_fp32_state_dict_from_zero_checkpoint(str(state_path), tag="checkpoint")
+        return _zero_full_state_dict(state_path)
     from lightning.fabric.utilities.load import _load_distributed_checkpoint  # FSDP's and FSDP2's shards
     return _load_distributed_checkpoint(state_path)["model"]
+
+
+def _zero_full_state_dict(state_path: Path) -> dict:
+    """The fp32 master weights from ZeRO's shards, plus the frozen weights (LoRA's base model): ZeRO-1 leaves them
+    out of its shards (DeepSpeed saves frozen weights only where it partitions gradients, stages 2 and 3), but its
+    module file holds them whole, as stages 1 and 2 never partition the weights."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    weights = get_fp32_state_dict_from_zero_checkpoint(str(state_path), tag="checkpoint")
+    module_file = min((state_path / "checkpoint").glob("*model_states.pt"))  # ZeRO-3 writes one per rank
+    # memory-mapped: only the tensors taken below are read
+    module = torch.load(module_file, map_location="cpu", weights_only=True, mmap=True)["module"]
+    weights.update({name: module[name] for name in module.keys() - weights.keys()})
+    return weights
 
 
 def export_model(fabric, best_state: Path, out: Path, write: Callable[[dict, Path], None]) -> None:

@@ -1,7 +1,8 @@
 """Map command-line flags to a ``lightning.Fabric``: accelerator, devices, num_nodes, strategy, precision.
 
 The choices come from Fabric's own registries, so every strategy Fabric knows (``ddp``, ``fsdp``,
-``deepspeed_stage_2_offload``, ...) works as a flag. Under ``fabric run`` the CLI's settings arrive as ``LT_*``
+``deepspeed_stage_2_offload``, ...) works as a flag, except those that spawn or fork a function (``ddp_spawn``,
+``ddp_fork``, ``ddp_notebook``, ``xla``, ``xla_fsdp``). Under ``fabric run`` the CLI's settings arrive as ``LT_*``
 environment variables and win; giving the same setting to both ``fabric run`` and ``train.py`` with different
 values stops with a message that says which to remove.
 """
@@ -18,13 +19,14 @@ from lightning.fabric import Fabric
 from lightning.fabric.accelerators import ACCELERATOR_REGISTRY
 from lightning.fabric.plugins.precision import DeepSpeedPrecision, Precision
 from lightning.fabric.plugins.precision.precision import _PRECISION_INPUT_STR, _PRECISION_INPUT_STR_ALIAS
-from lightning.fabric.strategies import STRATEGY_REGISTRY, DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
+from lightning.fabric.strategies import (STRATEGY_REGISTRY, DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy,
+                                         XLAFSDPStrategy, XLAStrategy)
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
 from fabric_utils.errors import UserError
-from fabric_utils.sharding import BlockPolicy, shard_blocks
+from fabric_utils.sharding import BlockPolicy, mixed_precision_policy, shard_blocks
 
 LAUNCH_SETTINGS = ("accelerator", "devices", "num_nodes", "strategy", "precision")
 FABRIC_DEFAULTS = {"accelerator": "auto", "devices": "auto", "num_nodes": 1, "strategy": "auto"}
@@ -38,11 +40,22 @@ def add_launch_args(parser: argparse.ArgumentParser) -> None:
                        help="hardware to run on (default: auto)")
     group.add_argument("--devices", help="devices per node: a count (4), a list (0,1), -1 or auto (default)")
     group.add_argument("--num-nodes", type=int, help="number of machines (default: 1)")
-    group.add_argument("--strategy", choices=("auto", *STRATEGY_REGISTRY.available_strategies(), FSDP2),
+    group.add_argument("--strategy", choices=("auto", *launchable_strategies(), FSDP2),
                        help="how to spread the work: ddp, fsdp, fsdp2, deepspeed_stage_2, ... (default: auto)")
     group.add_argument("--precision", choices=PRECISIONS,
                        help="numeric precision (default: auto = bf16-mixed where the hardware supports it, "
-                            "16-mixed on older GPUs, else 32-true)")
+                            "16-mixed on older GPUs (32-true under fsdp2, which has no loss scaler), else 32-true)")
+
+
+def launchable_strategies() -> list[str]:
+    """Fabric's strategy names that ``fabric.launch()`` starts as this script runs: it starts the other processes
+    by running the script again. Those that spawn or fork (``ddp_spawn``, ``ddp_fork``, ``ddp_notebook``) or run
+    under XLA's launcher need the whole job handed to ``launch`` as one function, and refuse to start without."""
+    def launchable(name: str) -> bool:
+        entry = STRATEGY_REGISTRY[name]
+        return (entry["init_params"].get("start_method", "popen") == "popen"
+                and not issubclass(entry["strategy"], (XLAStrategy, XLAFSDPStrategy)))
+    return [name for name in STRATEGY_REGISTRY.available_strategies() if launchable(name)]
 
 
 def launched_by_cli() -> bool:
@@ -80,16 +93,19 @@ def resolve_launch_settings(flags: dict) -> dict:
             settings[name] = given if given is not None else FABRIC_DEFAULTS.get(name, "auto")
     settings["num_nodes"] = int(settings["num_nodes"])
     if settings["precision"] == "auto":
-        settings["precision"] = auto_precision(settings["accelerator"])
+        settings["precision"] = auto_precision(settings["accelerator"], settings["strategy"])
     return settings
 
 
-def auto_precision(accelerator: str) -> str:
+def auto_precision(accelerator: str, strategy: str = "auto") -> str:
     """bf16 autocast where the hardware runs bf16 natively, fp16 with loss scaling on older GPUs, else fp32.
-    ``torch.cuda.is_bf16_supported()`` alone also counts GPUs that only emulate bf16 (V100, T4)."""
+    ``torch.cuda.is_bf16_supported()`` alone also counts GPUs that only emulate bf16 (V100, T4). fsdp2 has no loss
+    scaler (Fabric's ModelParallelStrategy refuses 16-mixed), so on those GPUs it gets fp32."""
     use_cuda = accelerator in ("cuda", "gpu") or (accelerator == "auto" and torch.cuda.is_available())
     if use_cuda:
-        return "bf16-mixed" if torch.cuda.is_bf16_supported(including_emulation=False) else "16-mixed"
+        if torch.cuda.is_bf16_supported(including_emulation=False):
+            return "bf16-mixed"
+        return "32-true" if strategy == FSDP2 else "16-mixed"
     if accelerator in ("cpu", "auto") and cpu_has_native_bf16():
         return "bf16-mixed"
     return "32-true"
@@ -131,7 +147,8 @@ def build_strategy(settings: dict, grad_checkpointing: bool):
     Face's own checkpointing conflicts with FSDP). ``fsdp2`` puts every process in one sharding group."""
     name = settings["strategy"]
     if name == FSDP2:
-        return ModelParallelStrategy(partial(shard_blocks, grad_checkpointing=grad_checkpointing),
+        return ModelParallelStrategy(partial(shard_blocks, grad_checkpointing=grad_checkpointing,
+                                             mp_policy=mixed_precision_policy(settings["precision"])),
                                      data_parallel_size=count_processes(settings), tensor_parallel_size=1)
     if is_fsdp(name):
         blocks = BlockPolicy()
@@ -206,8 +223,13 @@ def configure_deepspeed(strategy: DeepSpeedStrategy, grad_clip: float) -> None:
     one that tells the engine whether the coming backward ends the accumulation group, DeepSpeed's own
     ``set_gradient_accumulation_boundary``. ZeRO-1 then reduces the gradients once per optimizer step, in the last
     micro-batch's backward; ZeRO-2 and 3 keep only their shard of the gradients, so every backward reduce-scatters
-    and the shards accumulate."""
+    and the shards accumulate. Under bf16 those shards would be bf16 (DeepSpeed accumulates in the weights' dtype
+    unless told), rounding the sum to 8 bits at every micro-batch: fp32 instead. Not under ZeRO-1, which adds the
+    micro-batches up in the bf16 ``.grad`` as plain autograd does: asked for fp32 there, DeepSpeed swaps in its
+    BF16_Optimizer, whose checkpoints its own zero_to_fp32 cannot read back, so export would fail."""
     strategy.config["gradient_clipping"] = grad_clip
+    if strategy.precision.precision.startswith("bf16") and strategy.config["zero_optimization"]["stage"] >= 2:
+        strategy.config.setdefault("data_types", {})["grad_accum_dtype"] = "fp32"
     strategy._backward_sync_control = _DeepSpeedAccumulationBoundary()
 
 

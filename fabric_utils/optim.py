@@ -6,19 +6,23 @@ import torch
 
 
 def build_optimizer(model, name: str, lr: float, weight_decay: float, device: torch.device,
-                    offload: bool = False, loss_scaling: bool = False) -> torch.optim.Optimizer:
+                    offload: bool = False, loss_scaling: bool = False,
+                    shapes: dict[str, torch.Size] | None = None) -> torch.optim.Optimizer:
     """AdamW (decoupled weight decay, none on biases and norms) with fused kernels on CUDA and CPU (on a CPU, 10x
     faster than the multi-tensor kernel: bench/RESULTS.md) and multi-tensor (foreach) kernels elsewhere; ``adam``
     is the article's plain Adam, with torch's default kernel. Under ``loss_scaling`` (16-mixed) AdamW keeps the
     foreach kernel: Fabric's loss scaler unscales before clipping, which fused kernels refuse. With ``offload``
     (DeepSpeed's ZeRO-Offload) the step runs on the CPU copy of the weights, where DeepSpeed accepts only its own
-    vectorized CPU Adam: the same update, the same groups."""
+    vectorized CPU Adam: the same update, the same groups. ``shapes`` (by parameter name) are the shapes the
+    parameters had before a strategy flattened them (``setup_model_and_optimizer`` hands them over): the groups are
+    told apart by them."""
     adamw = name == "adamw"
     if adamw:
         decay, no_decay = [], []
-        for param in model.parameters():
+        for param_name, param in model.named_parameters():
             if param.requires_grad:
-                (no_decay if param.ndim < 2 else decay).append(param)
+                ndim = len(shapes[param_name]) if shapes else param.ndim
+                (no_decay if ndim < 2 else decay).append(param)
         params = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     else:
         params = [param for param in model.parameters() if param.requires_grad]

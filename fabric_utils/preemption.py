@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 
@@ -29,6 +30,7 @@ class Preemption:
         self._noted = set()
         self._pid = os.getpid()
         self._previous = {sig: signal.signal(sig, self._handle) for sig in signals}
+        self.group, self.vote = None, None  # the processes' vote group; the vote in flight and its flag
 
     def _handle(self, signum, frame):
         if os.getpid() != self._pid:  # a loader worker (forked with this handler): its process decides
@@ -49,12 +51,23 @@ class Preemption:
             # os.write: a print() here could land inside another print() and fail
             os.write(2, f"{signal.Signals(signum).name}: {note}{again}\n".encode())
 
-    def agreed(self, fabric, check_now: bool) -> bool:
-        """Whether all ranks stop now. A signal may reach only some ranks (``kill`` of the launcher process), so
-        ranks agree through an all-reduce, done only every ``check_now`` step since it syncs the device."""
+    def agreed(self, fabric) -> bool:
+        """Whether all ranks stop now, one step after a signal reached any of them. A signal may reach only some
+        ranks (``kill`` of the launcher process), so ranks vote every step with an all-reduce of a host tensor
+        over gloo, started without waiting and read a step later: it never waits on the device, and by then it
+        has long arrived. Every rank reads the same vote at the same step, so all stop together."""
         if fabric.world_size == 1:
             return self.requested
-        return check_now and fabric.strategy.reduce_boolean_decision(self.requested, all=False)
+        if self.group is None:  # every rank gets here at its first step
+            self.group = dist.new_group(backend="gloo")
+        stop = False
+        if self.vote is not None:
+            work, flag = self.vote
+            work.wait()
+            stop = bool(flag.item())
+        flag = torch.tensor([int(self.requested)])
+        self.vote = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True), flag
+        return stop
 
     def training_ended(self) -> None:
         """From now on (test, export, teardown) a signal cannot stop the run: it has nothing left to checkpoint."""
@@ -84,6 +97,8 @@ class Preemption:
         back to whoever handled it before."""
         for loader in loaders.values():
             stop_workers(loader)
+        if self.vote is not None:  # the last vote, still in flight on the vote group
+            self.vote[0].wait()
         if torch.distributed.is_initialized():
             fabric.barrier()
             torch.distributed.destroy_process_group()

@@ -10,13 +10,15 @@ communication with compute.
 
 from typing import Callable
 
+import torch
 from lightning.fabric.strategies import DeepSpeedStrategy
+from lightning.fabric.wrappers import _unwrap_compiled
 from torch import nn
 from torch.optim import Optimizer
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (CheckpointWrapper,
                                                                          apply_activation_checkpointing,
                                                                          checkpoint_wrapper)
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from fabric_utils.errors import UserError
 
@@ -69,7 +71,17 @@ class BlockPolicy:
         return recurse or isinstance(module, self.blocks)
 
 
-def shard_blocks(model: nn.Module, device_mesh, grad_checkpointing: bool) -> nn.Module:
+def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy:
+    """Under bf16-mixed, FSDP2 gathers each unit's weights in bf16, the dtype autocast computes in (half the bytes of
+    fp32), and reduce-scatters the gradients in fp32, so the sum over ranks does not round; the sharded weights,
+    their gradients and the optimizer stay fp32. Other precisions gather the weights as they are."""
+    if precision == "bf16-mixed":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def shard_blocks(model: nn.Module, device_mesh, grad_checkpointing: bool,
+                 mp_policy: MixedPrecisionPolicy) -> nn.Module:
     """The ``parallelize_fn`` of ``--strategy fsdp2``: ``fully_shard`` on each block, then on the root for the rest
     (embeddings, head). With ``grad_checkpointing`` each block is first wrapped to recompute its activations in
     backward, inside its own shard unit (the order torchtitan uses)."""
@@ -81,22 +93,49 @@ def shard_blocks(model: nn.Module, device_mesh, grad_checkpointing: bool) -> nn.
     mesh = device_mesh["data_parallel"]
     for module in reversed(list(model.modules())):  # innermost first: a parameter belongs to its innermost unit
         if isinstance(module, blocks):
-            fully_shard(module, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+            fully_shard(module, mesh=mesh, mp_policy=mp_policy)
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy)
     return model
 
 
-def setup_model_and_optimizer(fabric, model: nn.Module, make_optimizer: Callable[[nn.Module], Optimizer]):
+# the name parts that Fabric (``_forward_module``), FSDP, activation checkpointing and torch.compile insert into a
+# parameter's name when they wrap the module holding it
+WRAPPER_NAME_PARTS = frozenset({"_forward_module", "_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
+
+
+def unwrapped_name(name: str) -> str:
+    return ".".join(part for part in name.split(".") if part not in WRAPPER_NAME_PARTS)
+
+
+def full_shape(param: nn.Parameter) -> torch.Size:
+    """A parameter's shape as the model defines it; under ZeRO-3 (``deepspeed.zero.Init``) the tensor is this rank's
+    empty partition and DeepSpeed keeps the shape in ``ds_shape``."""
+    return getattr(param, "ds_shape", param.shape)
+
+
+def setup_model_and_optimizer(fabric, model: nn.Module,
+                              make_optimizer: Callable[[nn.Module, dict[str, torch.Size]], Optimizer]):
     """Fabric step 3: returns the set-up model and optimizer, and the plain torch optimizer inside (a learning-rate
     schedule drives that one: DeepSpeed's wrapper is no torch Optimizer, but steps the same parameter groups).
 
     FSDP shards the model first, and the optimizer must hold the sharded parameters, so it is built on the set-up
-    model; DeepSpeed builds its engine from model and optimizer together."""
+    model; DeepSpeed builds its engine from model and optimizer together. ``make_optimizer(module, shapes)`` gets
+    each parameter's shape before set-up by its name in ``module``: FSDP (not FSDP2) turns every parameter into a
+    1-D slice of its unit's flat shard, so a rule by shape (no weight decay on biases and norms) must read it there."""
     if isinstance(fabric.strategy, DeepSpeedStrategy):
-        optimizer = make_optimizer(model)
+        # DeepSpeed compiles the module inside its engine itself, its hooks left eager; Fabric would compile the
+        # whole engine (its bookkeeping, ZeRO-3's parameter fetches) as it compiles a DDP wrapper
+        model, compile_kwargs = _unwrap_compiled(model)
+        optimizer = make_optimizer(model, {name: full_shape(param) for name, param in model.named_parameters()})
         model, fabric_optimizer = fabric.setup(model, optimizer)
+        if compile_kwargs is not None:
+            backend = {"backend": compile_kwargs.pop("backend")} if "backend" in compile_kwargs else {}
+            fabric.strategy.model.compile(**backend, compile_kwargs=compile_kwargs)
     else:
+        shapes = {unwrapped_name(name): full_shape(param) for name, param in model.named_parameters()}
         model = fabric.setup_module(model)
-        optimizer = make_optimizer(model)
+        # ``model.module`` is the module given, with FSDP's units inserted: its names lead back to ``shapes``
+        before = {id(param): shapes[unwrapped_name(name)] for name, param in model.module.named_parameters()}
+        optimizer = make_optimizer(model, {name: before[id(param)] for name, param in model.named_parameters()})
         fabric_optimizer = fabric.setup_optimizers(optimizer)
     return model, fabric_optimizer, optimizer

@@ -3,13 +3,15 @@
 import contextlib
 import copy
 import itertools
+import os
 import resource
+import socket
 import time
+import zlib
 from collections.abc import Callable
 
 import numpy as np
 import torch
-from lightning.fabric.utilities.data import suggested_max_num_workers
 from lightning.fabric.utilities.throughput import ThroughputMonitor, measure_flops
 
 
@@ -22,12 +24,26 @@ def configure_backends(device: torch.device) -> None:
 
 def default_num_workers(fabric) -> int:
     """Tokenization is done ahead, so workers only collate. On a CPU device they would take cores from the
-    model's own threads, so none there; on GPUs up to 4 per process, within the CPUs this process may run on:
-    Lightning counts its affinity, which taskset, cgroups and SLURM's binding narrow (os.cpu_count() is the node's)."""
+    model's own threads, so none there; on GPUs up to 4 per process, within the CPUs this process may run on (its
+    affinity, which taskset, cgroups and SLURM's binding narrow; os.cpu_count() is the node's), split among the
+    processes of this node that may run on them too, one CPU left to each process itself."""
     if fabric.device.type == "cpu":
         return 0
-    per_node = max(fabric.world_size // getattr(fabric.strategy, "num_nodes", 1), 1)
-    return min(4, suggested_max_num_workers(per_node))
+    cpus = os.sched_getaffinity(0)
+    return min(4, max(1, len(cpus) // processes_sharing(fabric, cpus) - 1))
+
+
+def processes_sharing(fabric, cpus: set[int]) -> int:
+    """How many processes of the job (this one included) run on this machine with CPUs in common with ``cpus``.
+    Lightning's launcher and torchrun leave every process the node's CPUs; SLURM binds each task to its own
+    (--cpus-per-task), so dividing those among the node's processes again would leave one worker each."""
+    mask = torch.zeros(1 + (os.cpu_count() or 1), dtype=torch.int64)  # [host id, one flag per CPU]
+    mask[0] = zlib.crc32(socket.gethostname().encode())
+    mask[1 + torch.tensor(sorted(cpus))] = 1
+    masks = fabric.all_gather(mask).cpu().reshape(fabric.world_size, -1)
+    same_host = masks[:, 0] == mask[0]
+    overlaps = (masks[:, 1:] * mask[1:]).sum(dim=1) > 0
+    return int((same_host & overlaps).sum())
 
 
 def training_flops_fn(model: torch.nn.Module, step_loss: Callable[[torch.nn.Module, int | None], torch.Tensor],
@@ -76,7 +92,7 @@ class Throughput:
     def __init__(self, fabric, peak_tflops: float | None, flops_of: Callable[[int, int, int], float], sized: bool):
         self.fabric, self.flops_of, self.sized = fabric, flops_of, sized
         self.monitor = ThroughputMonitor(fabric, window_size=5)
-        if peak_tflops:  # Fabric knows the peak of common GPUs, not of CPUs
+        if peak_tflops:  # Fabric knows the peak of common GPUs, not of CPUs nor of every GPU (H200)
             self.monitor.available_flops = peak_tflops * 1e12
         self.counts = torch.zeros(3, dtype=torch.int64, device=fabric.device)  # rows, sizes, sum of sizes²
         self.flops_logged = 0.0

@@ -104,7 +104,7 @@ fabric.launch()
 def build():
     model, optimizer, plain = setup_model_and_optimizer(
         fabric, Tiny(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)),
-        make_optimizer=lambda model: torch.optim.SGD(model.parameters(), lr=0.1))
+        make_optimizer=lambda model, shapes: torch.optim.SGD(model.parameters(), lr=0.1))
     return model, optimizer, torch.optim.lr_scheduler.StepLR(plain, 1, gamma=0.5)
 
 model, optimizer, scheduler = build()

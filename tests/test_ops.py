@@ -1,9 +1,11 @@
 """Operations: torch.compile under a strategy, the batch-size finder, cluster scripts, worker counts, shared caches,
 the training clock."""
 
+import json
 import os
 import re
 import subprocess
+import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -15,7 +17,7 @@ from torch._dynamo.eval_frame import OptimizedModule
 from torch.nn.parallel import DistributedDataParallel
 from transformers import PreTrainedTokenizerFast
 
-from conftest import REPO, build_fabric_from_flags
+from conftest import REPO, build_fabric_from_flags, subprocess_env
 from data.demo import LABELS, prepare_demo
 from fabric_utils.speed import Throughput, compile_model, default_num_workers
 from task import build_model, load_tokenizer
@@ -60,12 +62,44 @@ def test_the_training_clock_leaves_out_validations_and_checkpoints():
     assert result["train_samples_per_s"] == pytest.approx(2 / result["train_time_s"])
 
 
-def test_loader_workers_count_the_cpus_this_process_may_use(monkeypatch):
-    """Bound to 6 of a node's 64 CPUs (taskset, a cgroup, SLURM), 2 GPU processes get 2 workers each, not 4."""
+@pytest.mark.parametrize("other_cpus, expected", [(range(6), 6 // 2 - 1), (range(6, 12), 4)])
+def test_loader_workers_count_the_cpus_this_process_may_use(monkeypatch, other_cpus, expected):
+    """Bound to 6 of a node's 64 CPUs (taskset, a cgroup), 2 GPU processes that share them get 2 workers each, not 4.
+    SLURM binds each task to CPUs of its own (--cpus-per-task 6): dividing them again used to leave 2, not 4."""
     monkeypatch.setattr(os, "cpu_count", lambda: 64)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(6)), raising=False)
-    fabric = SimpleNamespace(device=torch.device("cuda", 0), world_size=2, strategy=SimpleNamespace(num_nodes=1))
-    assert default_num_workers(fabric) == 6 // 2 - 1
+
+    def all_gather(mask):  # this process's [host, CPU flags], and the other's on the same host
+        other = mask.clone()
+        other[1:] = 0
+        other[1 + torch.tensor(list(other_cpus))] = 1
+        return torch.stack([mask, other])
+    fabric = SimpleNamespace(device=torch.device("cuda", 0), world_size=2, all_gather=all_gather)
+    assert default_num_workers(fabric) == expected
+
+
+SHARING = r"""
+import json, os, sys
+from fabric_utils.launcher import build_fabric
+from fabric_utils.speed import processes_sharing
+
+fabric = build_fabric(accelerator="cpu", devices="2", strategy="ddp", precision="32-true")
+fabric.launch()
+found = {"shared": processes_sharing(fabric, os.sched_getaffinity(0)),
+         "bound": processes_sharing(fabric, {fabric.global_rank})}  # as SLURM binds each task to its own CPUs
+if fabric.global_rank == 0:
+    print(json.dumps(found))
+"""
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs")
+def test_processes_sharing_cpus_are_counted_across_the_job(tmp_path):
+    script = tmp_path / "sharing.py"  # a file: Lightning's launcher starts rank 1 by running it again
+    script.write_text(SHARING)
+    done = subprocess.run([sys.executable, str(script)], cwd=REPO, env={**subprocess_env(), "PYTHONPATH": str(REPO)},
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == {"shared": 2, "bound": 1}
 
 
 def test_an_interrupted_demo_write_leaves_no_folder_that_looks_done(tmp_path, monkeypatch):
@@ -96,6 +130,13 @@ def test_slurm_log_folders_exist_in_a_fresh_clone():
         tracked = subprocess.run(["git", "ls-files", "--", folder], cwd=REPO, capture_output=True, text=True,
                                  check=True).stdout
         assert tracked, f"{path}: {folder}/ is not in a fresh clone"
+
+
+def test_slurm_tasks_get_the_cpus_the_job_asks_for():
+    """Since Slurm 22.05 srun does not take --cpus-per-task from sbatch: each task would be bound to one CPU."""
+    script = (REPO / "scripts" / "slurm.sbatch").read_text()
+    assert re.search(r"^#SBATCH\s+--cpus-per-task", script, flags=re.MULTILINE)
+    assert 'export SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK"' in script.split("\nsrun ")[0]
 
 
 @pytest.mark.parametrize(("torch_build", "gpu", "expected"), [

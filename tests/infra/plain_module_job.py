@@ -16,7 +16,7 @@ from torchmetrics import MetricCollection
 from torchmetrics.regression import MeanSquaredError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from fabric_utils.checkpoint import find_resume_checkpoint, load_checkpoint, save_checkpoint  # noqa: E402
+from fabric_utils.checkpoint import agreed_resume_checkpoint, load_checkpoint, save_checkpoint  # noqa: E402
 from fabric_utils.launcher import build_fabric, launch  # noqa: E402
 from fabric_utils.loggers import make_loggers  # noqa: E402
 from fabric_utils.optim import build_optimizer, build_scheduler  # noqa: E402
@@ -62,12 +62,14 @@ def main():
     flops_of = training_flops_fn(model, lambda m, size: huber(m(torch.zeros(1, 8, device="meta")),
                                                               torch.zeros(1, device="meta")), max_size=None)
     model, optimizer, _ = setup_model_and_optimizer(
-        fabric, model, lambda m: build_optimizer(m, name="adamw", lr=3e-2, weight_decay=0.01, device=fabric.device))
+        fabric, model, lambda m, shapes: build_optimizer(m, name="adamw", lr=3e-2, weight_decay=0.01,
+                                                         device=fabric.device, shapes=shapes))
     scheduler = build_scheduler(optimizer, "linear", lr=3e-2, max_steps=args.steps, warmup_steps=2)
     state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "step": 0, "meta": {"job": "plain"}}
     ckpt_dir = args.out_dir / "checkpoints"
     if args.resume:
-        load_checkpoint(fabric, find_resume_checkpoint("auto", ckpt_dir), state, expected_meta={"job": "plain"})
+        load_checkpoint(fabric, agreed_resume_checkpoint(fabric, "auto", ckpt_dir), state,
+                        expected_meta={"job": "plain"})
     progress = Progress(fabric, args.steps, quiet=True, metrics=MetricCollection({"mse": MeanSquaredError()}))
     monitor = Throughput(fabric, peak_tflops=1.0, flops_of=flops_of, sized=False)
     monitor.start(state["step"])

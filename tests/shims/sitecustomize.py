@@ -8,6 +8,10 @@ DeepSpeed itself runs ZeRO 2 and 3 on CPU tensors.
 
 FABRIC_TEMPLATE_FP16_CPU=1 makes ``--precision 16-mixed`` on CPU real fp16 autocast with a loss scaler.
 
+FABRIC_TEMPLATE_FSDP_CPU=1 lets Fabric's FSDP strategy (``--strategy fsdp``, torch's FSDP1) run on CPU processes.
+Fabric refuses it unless the accelerator is CUDA, and hands FSDP the device's index, which a CPU device lacks; FSDP1
+then looks for an accelerator and finds none. FSDP1 itself shards, gathers and reduce-scatters CPU tensors over gloo.
+
 Python imports this file at start-up when tests put this folder on PYTHONPATH and set a variable; child processes
 started by Fabric inherit both, and so does every other Python subprocess, such as the one py-cpuinfo starts for
 DeepSpeed's CPU Adam and whose stdout it parses as JSON: naming the accelerator (DS_ACCELERATOR) keeps DeepSpeed's
@@ -53,3 +57,28 @@ if os.environ.get("FABRIC_TEMPLATE_FP16_CPU") == "1":
         return plugin
 
     _Connector._check_and_init_precision = check_and_init_precision
+
+if os.environ.get("FABRIC_TEMPLATE_FSDP_CPU") == "1":
+    import torch
+    from lightning.fabric.connector import _Connector
+    from lightning.fabric.strategies import FSDPStrategy
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    _check_strategy_and_fallback = _Connector._check_strategy_and_fallback
+
+    def check_strategy_and_fallback(self):
+        accelerator = self._accelerator_flag  # only this check reads it as "cuda"; the accelerator stays the CPU
+        if isinstance(self._strategy_flag, FSDPStrategy) and accelerator == "cpu":
+            self._accelerator_flag = "cuda"
+        try:
+            _check_strategy_and_fallback(self)
+        finally:
+            self._accelerator_flag = accelerator
+
+    _Connector._check_strategy_and_fallback = check_strategy_and_fallback
+    _fsdp_init = FullyShardedDataParallel.__init__
+
+    def fsdp_init(self, module, *args, device_id=None, **kwargs):
+        _fsdp_init(self, module, *args, device_id=torch.device("cpu") if device_id is None else device_id, **kwargs)
+
+    FullyShardedDataParallel.__init__ = fsdp_init
