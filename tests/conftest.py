@@ -120,6 +120,14 @@ class Job:
             assert time.monotonic() < deadline, f"{path} did not appear within {timeout} s"
             time.sleep(0.01)
 
+    def kill_after(self, checkpoint: str) -> None:
+        """SIGKILL to every process of the run once ``checkpoints/<checkpoint>`` exists, as a lost machine would."""
+        self.wait_for(self.out_dir / "checkpoints" / checkpoint)
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.wait()
+        self.wait_group()
+        assert not (self.out_dir / "results.json").exists(), "the run finished before it was killed"
+
     def wait_group(self, timeout=60) -> None:
         """Waits until every process of the run's group has exited (the ranks a launcher started)."""
         deadline = time.monotonic() + timeout
@@ -147,3 +155,10 @@ def copy_repo(dest: Path) -> Path:
         (dest / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(REPO / name, dest / name)
     return dest
+
+
+def kill_all(jobs: dict) -> None:
+    """Ends what a failed test left running."""
+    for job in jobs.values():
+        if job.proc.poll() is None:
+            os.killpg(job.proc.pid, signal.SIGKILL)

@@ -7,15 +7,13 @@ a half on two cores."""
 
 import csv
 import json
-import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO, Job, resumed_step, subprocess_env
+from conftest import REPO, Job, kill_all, resumed_step, subprocess_env
 from test_resilience import EXPORT_CHECK, TINY
 
 # TINY's 100 steps of 16 rows, as 8 rows on each of two processes. 65 test rows in batches of 32 leave rank 1 a last
@@ -43,18 +41,11 @@ def runs(tmp_path_factory):
     jobs = {"full": Job(root / "full", *TINY, *FSDP2),
             "killed": Job(root / "killed", *TINY, *FSDP2, "--grad-checkpointing")}
     try:
-        killed = jobs["killed"]
-        killed.wait_for(root / "killed" / "checkpoints" / "step-000020")
-        os.killpg(killed.proc.pid, signal.SIGKILL)
-        killed.wait()
-        killed.wait_group()
-        assert not (root / "killed" / "results.json").exists(), "the run finished before it was killed"
+        jobs["killed"].kill_after("step-000020")
         jobs["resumed"] = Job(root / "killed", *TINY, *FSDP2, "--grad-checkpointing", "--resume", "auto")
         yield jobs
     finally:
-        for job in jobs.values():
-            if job.proc.poll() is None:
-                os.killpg(job.proc.pid, signal.SIGKILL)
+        kill_all(jobs)
 
 
 def test_fsdp2_kill_then_resume_matches_uninterrupted(runs):

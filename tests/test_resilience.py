@@ -6,7 +6,6 @@ shared cores, the single-process runs start together in one fixture and each tes
 
 import csv
 import json
-import os
 import re
 import signal
 import subprocess
@@ -15,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import Job, resumed_step, subprocess_env
+from conftest import Job, kill_all, resumed_step, subprocess_env
 
 EXIT_PREEMPTED = 75
 STEPS_PER_EPOCH = 50  # 800 rows / 16 per batch
@@ -69,9 +68,7 @@ def runs(tmp_path_factory):
     jobs["killed_resume"] = Job(root / "killed", *TINY, "--resume", "auto")
     jobs["termed_resume"] = Job(root / "termed", *TINY, "--resume", "auto")
     yield jobs, info
-    for job in jobs.values():
-        if job.proc.poll() is None:
-            os.killpg(job.proc.pid, signal.SIGKILL)
+    kill_all(jobs)
 
 
 def test_sigkill_mid_epoch_then_resume_auto_matches_uninterrupted(runs):

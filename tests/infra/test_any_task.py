@@ -3,15 +3,13 @@ the task's TEST_FLAGS, so they hold for whatever task.py is (CI swaps in example
 
 import ast
 import json
-import os
-import signal
 import sys
 
 import pytest
 import torch
 
 import task
-from conftest import REPO, Job, resumed_step, run
+from conftest import REPO, Job, kill_all, resumed_step, run
 from fabric_utils.args import build_parser
 from fabric_utils.speed import meta_copy
 from fabric_utils.task_spec import TaskSpec
@@ -97,18 +95,11 @@ def test_a_run_killed_and_resumed_ends_where_an_uninterrupted_run_ends(tmp_path)
     flags = [*task.TEST_FLAGS, *LAUNCH]
     jobs = {"full": Job(tmp_path / "full", *flags), "killed": Job(tmp_path / "killed", *flags)}
     try:
-        killed = jobs["killed"]
-        killed.wait_for(tmp_path / "killed" / "checkpoints" / "step-000005")
-        os.killpg(killed.proc.pid, signal.SIGKILL)
-        killed.wait()
-        killed.wait_group()
-        assert not (tmp_path / "killed" / "results.json").exists(), "the run finished before it was killed"
+        jobs["killed"].kill_after("step-000005")
         jobs["resumed"] = Job(tmp_path / "killed", *flags, "--resume", "auto")
         full, resumed = jobs["full"].results(), jobs["resumed"].results()
     finally:
-        for job in jobs.values():
-            if job.proc.poll() is None:
-                os.killpg(job.proc.pid, signal.SIGKILL)
+        kill_all(jobs)
     assert resumed_step(jobs["resumed"].output()) >= 5
     assert resumed["steps"] == full["steps"] and full["world_size"] == 2
     scores = [key for key in full if key.startswith(("val_", "test_"))]
