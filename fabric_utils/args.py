@@ -1,5 +1,6 @@
 """The training loop's flags, grouped by purpose, and their parsing. ``--config FILE`` (YAML) sets defaults; flags on
-the command line win. The task adds its own flags (data, model) and its defaults for these (``fabric_utils.task_spec``)."""
+the command line win. The task adds its own flags (data, model) and its defaults for these
+(``fabric_utils.task_spec``)."""
 
 import argparse
 import os

@@ -110,9 +110,11 @@ import pandas as pd, torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 model_dir, rows = sys.argv[1], pd.read_parquet(sys.argv[2])
-model, tokenizer = AutoModelForSequenceClassification.from_pretrained(model_dir).eval(), AutoTokenizer.from_pretrained(model_dir)
+model = AutoModelForSequenceClassification.from_pretrained(model_dir).eval()
+tokenizer = AutoTokenizer.from_pretrained(model_dir)
 with torch.no_grad():  # the tokenizer's own pair call, as a user of the export would write it
-    predicted = model(**tokenizer(list(rows.text), list(rows.pair), padding=True, return_tensors="pt")).logits.argmax(-1)
+    encoded = tokenizer(list(rows.text), list(rows.pair), padding=True, return_tensors="pt")
+    predicted = model(**encoded).logits.argmax(-1)
 names = [model.config.id2label[int(i)] for i in predicted]
 print(json.dumps({"acc": sum(n == label for n, label in zip(names, rows.label)) / len(rows)}))
 """

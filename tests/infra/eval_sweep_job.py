@@ -33,7 +33,7 @@ def main():
     with fabric.rank_zero_first(local=True):
         job = task.setup(parse_args([*task.TEST_FLAGS, "--quiet"]), verbose=False)
     model, _, _ = setup_model_and_optimizer(fabric, declare_blocks(job.build_model(), job.blocks),
-                                            lambda module: torch.optim.SGD(module.parameters(), lr=0.0))
+                                            lambda module, shapes: torch.optim.SGD(module.parameters(), lr=0.0))
     found = []
     for rows in ROWS:
         splits = dict.fromkeys(("train", "validation", "test"), Subset(job.datasets["validation"], range(rows)))
