@@ -21,6 +21,7 @@ import os
 import socket
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -58,7 +59,7 @@ def job(out_dir: Path, steps: int, finish_s: float) -> None:
             step = state["step"]
             fabric.log("train/loss", loss.item(), step=step)
             time.sleep(0.05)  # a real step takes time; this one leaves the CPU to the other jobs
-            stop = preemption.agreed(fabric, check_now=True)
+            stop = preemption.agreed(fabric)
             if stop or step == 1:
                 save_checkpoint(fabric, ckpt_dir, f"step-{step:06d}", state)
             if stop:
@@ -86,7 +87,11 @@ def fork_rank(out_dir: Path, rank: int, port: int, pgid: int, steps: int, finish
     os.dup2(log, 2)  # where the C++ runtime writes "terminate called ..."
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(RANKS), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
-    job(out_dir, steps, finish_s)
+    try:
+        job(out_dir, steps, finish_s)
+    except Exception:  # a bug in the job: fail the test now, not after a teardown that waits on a live process group
+        traceback.print_exc()
+        os._exit(1)
     sys.exit(0)  # a finished job; a preempted one left by SystemExit(75). Either way through interpreter teardown
 
 
