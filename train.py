@@ -21,7 +21,7 @@ from torchmetrics import MeanMetric, SumMetric
 import task
 from fabric_utils.args import build_parser, parse_flags
 from fabric_utils.batch_size import find_batch_size
-from fabric_utils.checkpoint import agreed_resume_checkpoint, load_checkpoint, save_checkpoint
+from fabric_utils.checkpoint import agreed_resume_checkpoint, load_checkpoint, read_record, save_checkpoint
 from fabric_utils.errors import UserError, exit_on_user_error
 from fabric_utils.export import export_model
 from fabric_utils.launcher import (build_fabric, clips_in_loop, launch, offloads_optimizer, scales_loss,
@@ -102,6 +102,9 @@ def main(fabric, args, out_dir: Path) -> dict:
     if args.batch_size == "auto":  # probed on the model and optimizer as set up: wrapped, sharded, with state
         args.batch_size = find_batch_size(fabric, model, optimizer, loss_fn=step_loss,
                                           make_batch=lambda rows: job.example_batch(rows, None, fabric.device))
+    resume_from = agreed_resume_checkpoint(fabric, args.resume, out_dir / "checkpoints", report=fabric.print)
+    if resume_from:  # a requeued job may come back on fewer devices: it continues with the same optimizer steps
+        args.grad_accum = keep_rows_per_step(fabric, args, read_record(resume_from))
     loaders = make_loaders(fabric, args, job)
     max_steps = args.max_steps or args.epochs * math.ceil(len(loaders["train"]) / args.grad_accum)
     scheduler = build_scheduler(torch_optimizer, args.scheduler, lr=args.lr, max_steps=max_steps,
@@ -109,11 +112,14 @@ def main(fabric, args, out_dir: Path) -> dict:
 
     # what a resume must continue: the task's model and data, and this loop's optimization
     meta = {**job.meta, **optimization(args, fabric.world_size, max_steps)}
+    rows_per_batch = args.batch_size * fabric.world_size  # what one batch_in_epoch is, over all ranks
     state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "step": 0, "epoch": 0,
-             "batch_in_epoch": 0, "best_val": {}, "meta": meta, "config": vars(args)}
-    resume_from = agreed_resume_checkpoint(fabric, args.resume, out_dir / "checkpoints", report=fabric.print)
+             "batch_in_epoch": 0, "rows_per_batch": rows_per_batch, "best_val": {}, "meta": meta, "config": vars(args)}
     if resume_from:
         load_checkpoint(fabric, resume_from, state, expected_meta=meta)
+        # the same row of the epoch in this run's batches (other ones, if the number of devices changed)
+        state["batch_in_epoch"] = state["batch_in_epoch"] * state["rows_per_batch"] // rows_per_batch
+        state["rows_per_batch"] = rows_per_batch
         fabric.print(f"resumed from {resume_from} at step {state['step']}")
     # only now: bad data, model or checkpoint leave the folder as it was; each resumed segment keeps its own flags
     save_config(fabric, args, out_dir, resumed_at=state["step"] if resume_from else None)
@@ -132,16 +138,34 @@ def main(fabric, args, out_dir: Path) -> dict:
     return results
 
 
+ROWS_PER_STEP = "rows per optimizer step (--batch-size x devices x --grad-accum)"
+
+
 def optimization(args, world_size: int, max_steps: int) -> dict:
     """What defines the optimization, named by the flags that set it: a resume that changed one would continue
     another run (the schedule would jump, the batches change mid-epoch)."""
     return {"--seed": args.seed, "--optimizer": args.optimizer, "--lr": args.lr, "--weight-decay": args.weight_decay,
             "--scheduler": args.scheduler, "--warmup": args.warmup, "--grad-clip": args.grad_clip,
             "optimizer steps (--max-steps, --epochs)": max_steps,
-            "rows per optimizer step (--batch-size x devices x --grad-accum)":
-                args.batch_size * world_size * args.grad_accum,
-            # the batches of a resumed epoch depend on it; another count needs resharded checkpoints too
-            "devices (a resume on another number is not supported yet)": world_size}
+            ROWS_PER_STEP: args.batch_size * world_size * args.grad_accum}
+
+
+def keep_rows_per_step(fabric, args, record: dict) -> int:
+    """The --grad-accum that keeps a checkpoint's rows per optimizer step on this run's number of devices (the
+    samplers give each optimizer step the same rows however they are split), so a resume on another number of
+    devices continues the same optimization."""
+    written_by, rows = record.get("world_size"), (record.get("meta") or {}).get(ROWS_PER_STEP)
+    if written_by in (None, fabric.world_size) or rows is None:
+        return args.grad_accum
+    rows_per_batch = args.batch_size * fabric.world_size
+    if rows % rows_per_batch:
+        fix = (f"pass a --batch-size that divides {rows // fabric.world_size}" if rows % fabric.world_size == 0
+               else f"resume on a number of devices that divides {rows}")
+        raise UserError(f"cannot continue {rows} rows per optimizer step on {fabric.world_size} devices with "
+                        f"--batch-size {args.batch_size}: {fix}")
+    fabric.print(f"resuming with world size {fabric.world_size} instead of {written_by}: --grad-accum "
+                 f"{rows // rows_per_batch} keeps {rows} rows per optimizer step")
+    return rows // rows_per_batch
 
 
 def make_loaders(fabric, args, job: TaskSpec) -> dict:
@@ -150,7 +174,7 @@ def make_loaders(fabric, args, job: TaskSpec) -> dict:
         eval_batch_size=args.eval_batch_size or 2 * args.batch_size, world_size=fabric.world_size,
         rank=fabric.global_rank, seed=args.seed, group_by_length=args.group_by_length,
         num_workers=default_num_workers(fabric) if args.num_workers is None else args.num_workers,
-        pin_memory=fabric.device.type == "cuda")
+        pin_memory=fabric.device.type == "cuda", grad_accum=args.grad_accum)
     # the samplers already shard rows across ranks, so Fabric only moves batches to the device
     return dict(zip(loaders, fabric.setup_dataloaders(*loaders.values(), use_distributed_sampler=False)))
 

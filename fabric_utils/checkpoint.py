@@ -1,7 +1,8 @@
 """Atomic, resumable checkpoints through ``fabric.save`` / ``fabric.load`` (so FSDP and DeepSpeed shard them).
 
 A checkpoint is a folder ``<root>/step-000123/`` holding ``state`` (a file, or a folder for sharded strategies),
-one ``rng-rank<r>.pt`` per rank, and ``manifest.json``: every other file and its size. It is written as
+one ``rng-rank<r>.pt`` per rank, ``record.json`` (what the run must match to resume, and the number of processes
+that wrote it: read before anything is loaded) and ``manifest.json``: every other file and its size. It is written as
 ``.tmp-step-000123`` and renamed only once every rank has finished, so a folder without the ``.tmp-`` prefix was
 complete when written; ``--resume auto`` checks it against its manifest (a disk, a copy or a hand can damage it
 later) and resumes from the newest whole one.
@@ -18,13 +19,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from lightning.fabric.strategies import DeepSpeedStrategy
+from lightning.fabric.strategies import DeepSpeedStrategy, ModelParallelStrategy
 
 from fabric_utils.errors import UserError
 from fabric_utils.launcher import scales_loss
 
 STEP_PATTERN = re.compile(r"^step-(\d+)$")
 MANIFEST = "manifest.json"
+RECORD = "record.json"
 LOSS_SCALER = "loss_scaler"
 
 
@@ -71,6 +73,7 @@ def save_checkpoint(fabric, root: Path, tag: str, state: dict, keep_last: int | 
                         f"--resume auto") from err
     fabric.barrier()
     if fabric.is_global_zero:
+        (tmp / RECORD).write_text(json.dumps({"world_size": fabric.world_size, "meta": state.get("meta")}))
         write_manifest(tmp)
         old = root / f".old-{tag}"
         if final.exists():  # replace (only "best" is ever rewritten): the old copy goes only after the new is in place
@@ -205,18 +208,45 @@ def agreed_resume_checkpoint(fabric, resume: str | None, root: Path,
     return Path(chosen)
 
 
+def read_record(path: Path) -> dict:
+    """A checkpoint's ``record.json``: ``world_size`` and ``meta`` ({} for a checkpoint written before records)."""
+    try:
+        return json.loads((path / RECORD).read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as err:
+        raise UserError(f"cannot restore checkpoint {path}: its {RECORD} cannot be read ({type(err).__name__}); "
+                        f"pass another --resume or start a new --out-dir") from err
+
+
+def reshards(fabric, path: Path) -> bool:
+    """Whether this checkpoint loads on another number of processes than wrote it: one file (single device, DDP)
+    does, and so does FSDP2's distributed checkpoint (torch.distributed.checkpoint reshards on load). FSDP's and
+    DeepSpeed's shards are laid out for the world that wrote them."""
+    return (path / "state").is_file() or isinstance(fabric.strategy, ModelParallelStrategy)
+
+
 def load_checkpoint(fabric, path: Path, state: dict, expected_meta: dict | None = None) -> dict:
     """Restores ``state`` in place from ``path`` and this rank's RNG streams; returns what was not restored in
-    place. Refuses a checkpoint of another model or label set, and one that cannot be read, with a UserError."""
+    place. Refuses, before restoring anything, a checkpoint of another model, label set or optimization, one that
+    cannot be read, and one of another number of processes that cannot be resharded, with a UserError."""
+    record = read_record(path)
+    found = record.get("meta")
     if (path / "state").is_file():  # one file (single device, DDP): check it before anything is restored
         try:
-            found = _peek_meta(path / "state")
+            peeked = _peek_meta(path / "state")
         except Exception as err:  # torch's own message here suggests weights_only=False: not the fix for this
             raise UserError(f"cannot restore checkpoint {path}: its state file is damaged or was not written by "
                             f"train.py ({type(err).__name__}); pass another --resume or start a new --out-dir"
                             ) from err
-        if expected_meta is not None:  # another model or label set would fail below with a cryptic shape error
-            _check_meta(path, found, expected_meta)
+        found = found if record else peeked
+    if expected_meta is not None:  # another model or label set would fail below with a cryptic shape error
+        _check_meta(path, found, json.loads(json.dumps(expected_meta)))  # as the record holds it: lists, not tuples
+    written_by = record.get("world_size", fabric.world_size)
+    if written_by != fabric.world_size and not reshards(fabric, path):
+        raise UserError(f"checkpoint {path} holds the shards of {written_by} processes, which "
+                        f"{type(fabric.strategy).__name__} cannot reshard for {fabric.world_size}: resume on "
+                        f"{written_by} (ddp and fsdp2 checkpoints resume on any number of devices)")
     target = with_loss_scaler(fabric, state)  # fabric.load restores it in place, in the plugin
     live = {key: obj for key, obj in target.items() if hasattr(obj, "load_state_dict")}
     try:
@@ -232,10 +262,8 @@ def load_checkpoint(fabric, path: Path, state: dict, expected_meta: dict | None 
             obj.load_state_dict(target[key])
             target[key] = obj
     state.update({key: target[key] for key in state})  # fabric.load wrote the plain values (step, ...) into target
-    if expected_meta is not None:
-        _check_meta(path, remainder.get("meta", state.get("meta")), expected_meta)
     rng_file = path / f"rng-rank{fabric.global_rank}.pt"
-    if rng_file.exists():
+    if rng_file.exists():  # a rank the writing run did not have keeps its seeded streams
         try:
             rng = torch.load(rng_file, weights_only=True)
         except Exception as err:

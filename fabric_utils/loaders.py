@@ -19,16 +19,22 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from fabric_utils.preemption import ignore_sigterm_in_worker
 
-MEGABATCH_FACTOR = 50  # how many global batches are sorted together when grouping by length
+MEGABATCH_FACTOR = 50  # how many optimizer steps' rows are sorted together when grouping by length
 
 
 class TrainBatchSampler(Sampler[list[int]]):
-    """Yields this rank's batches of one epoch; deterministic in (seed, epoch) so a resume can skip ahead."""
+    """Yields this rank's batches of one epoch; deterministic in (seed, epoch) so a resume can skip ahead.
 
-    def __init__(self, lengths, batch_size, num_replicas=1, rank=0, seed=0, group_by_length=True):
+    The epoch's row order depends on the rows per optimizer step (``batch_size * num_replicas * grad_accum``), not on
+    how they are split into ranks and micro-batches: each optimizer step sees the same rows on 1 process with
+    ``--grad-accum 4`` as on 4 processes with 1, so a run can resume on another number of devices and go on with the
+    same steps. (Only an epoch whose rows do not divide among the ranks differs: its last step repeats a row per
+    missing one, as torch's DistributedSampler does.)"""
+
+    def __init__(self, lengths, batch_size, num_replicas=1, rank=0, seed=0, group_by_length=True, grad_accum=1):
         self.lengths = list(lengths)
         self.batch_size, self.num_replicas, self.rank = batch_size, num_replicas, rank
-        self.seed, self.group_by_length = seed, group_by_length
+        self.seed, self.group_by_length, self.grad_accum = seed, group_by_length, grad_accum
         self.epoch, self.start_batch = 0, 0
 
     def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
@@ -40,16 +46,17 @@ class TrainBatchSampler(Sampler[list[int]]):
         g = torch.Generator().manual_seed(self.seed + self.epoch)
         order = torch.randperm(len(self.lengths), generator=g).tolist()
         order += order[: -len(order) % self.num_replicas]  # pad, as DistributedSampler does, to share evenly
-        size = self.batch_size * self.num_replicas
-        if self.group_by_length:
-            mega = size * MEGABATCH_FACTOR
+        if self.group_by_length:  # similar lengths within an optimizer step, but a random sequence of lengths
+            step = self.batch_size * self.num_replicas * self.grad_accum
+            mega = step * MEGABATCH_FACTOR
             order = [i for s in range(0, len(order), mega)
                      for i in sorted(order[s:s + mega], key=self.lengths.__getitem__, reverse=True)]
-        batches = [order[s:s + size] for s in range(0, len(order), size)]
-        if self.group_by_length:  # similar lengths within a batch, but a random sequence of lengths
-            perm = torch.randperm(len(batches), generator=g).tolist()
-            batches = [batches[i] for i in perm]
-        return batches
+            steps = [order[s:s + step] for s in range(0, len(order), step)]
+            whole = len(order) // step  # a short last step stays last, where the loop expects it
+            order = [i for k in [*torch.randperm(whole, generator=g).tolist(), *range(whole, len(steps))]
+                     for i in steps[k]]
+        size = self.batch_size * self.num_replicas
+        return [order[s:s + size] for s in range(0, len(order), size)]
 
     def __iter__(self):
         for batch in self.global_batches()[self.start_batch:]:
@@ -81,7 +88,7 @@ class EvalBatchSampler(Sampler[list[int]]):
 
 def make_dataloaders(datasets: dict[str, Dataset], collate: Callable[[list], dict],
                      sizes: dict[str, Sequence[int]] | None, *, batch_size, eval_batch_size, world_size, rank, seed,
-                     group_by_length, num_workers, pin_memory) -> dict:
+                     group_by_length, num_workers, pin_memory, grad_accum=1) -> dict:
     """``{"train", "validation", "test"}`` loaders; the samplers already shard across ranks. Without ``sizes`` every
     row counts as the same size: training batches are plain shuffles, evaluation keeps the split's order."""
     def loader(name, batch_sampler):
@@ -94,7 +101,8 @@ def make_dataloaders(datasets: dict[str, Dataset], collate: Callable[[list], dic
 
     group_by_length = group_by_length and sizes is not None
     sizes = sizes or {name: [1] * len(dataset) for name, dataset in datasets.items()}
-    samplers = {"train": TrainBatchSampler(sizes["train"], batch_size, world_size, rank, seed, group_by_length),
+    samplers = {"train": TrainBatchSampler(sizes["train"], batch_size, world_size, rank, seed, group_by_length,
+                                        grad_accum),
                 **{name: EvalBatchSampler(sizes[name], eval_batch_size, world_size, rank)
                    for name in ("validation", "test")}}
     return {name: loader(name, sampler) for name, sampler in samplers.items()}

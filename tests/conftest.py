@@ -142,6 +142,20 @@ class Job:
             time.sleep(0.1)
 
 
+def kill_each_after(jobs: list, checkpoint: str, timeout=300) -> None:
+    """``Job.kill_after`` for jobs that run together: each is killed as soon as its own checkpoint appears, so a
+    faster one cannot finish while the test waits on a slower one."""
+    deadline, waiting = time.monotonic() + timeout, list(jobs)
+    while waiting:
+        for job in [job for job in waiting if (job.out_dir / "checkpoints" / checkpoint).exists()]:
+            waiting.remove(job)
+            job.kill_after(checkpoint)
+        for job in waiting:
+            assert job.proc.poll() is None, f"{job.command} ended before {checkpoint}\n{job.output()[-3000:]}"
+        assert time.monotonic() < deadline, f"no {checkpoint} within {timeout} s"
+        time.sleep(0.01)
+
+
 def resumed_step(output: str) -> int:
     found = re.findall(r"resumed from \S+ at step (\d+)", output)
     assert found, f"the run did not resume:\n{output[-3000:]}"

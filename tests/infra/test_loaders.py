@@ -41,6 +41,28 @@ def test_length_grouping_cuts_padding_and_resumes_mid_epoch():
     assert list(sampler) == full[40:] and len(sampler) == len(full) - 40
 
 
+@pytest.mark.parametrize("group_by_length", [True, False])
+def test_each_optimizer_step_sees_the_same_rows_on_any_number_of_ranks(group_by_length):
+    """32 rows per optimizer step as 4 ranks x 8, 2 ranks x 8 x 2 micro-batches, or 1 x 8 x 4: the same rows in each
+    step, so a run resumed on another number of devices goes on with the same steps (the epoch's last step too, whose
+    rows here divide among the ranks)."""
+    lengths = [(i * 37) % 101 + 1 for i in range(500)]
+
+    def steps(world_size, grad_accum):
+        batches = [[] for _ in range(len(TrainBatchSampler(lengths, 8, world_size)))]
+        for rank in range(world_size):
+            sampler = TrainBatchSampler(lengths, batch_size=8, num_replicas=world_size, rank=rank, seed=3,
+                                        group_by_length=group_by_length, grad_accum=grad_accum)
+            sampler.set_epoch(2)
+            for batch, rows in zip(batches, sampler):
+                batch += rows
+        return [sorted(i for batch in batches[s:s + grad_accum] for i in batch)
+                for s in range(0, len(batches), grad_accum)]
+
+    assert steps(4, 1) == steps(2, 2) == steps(1, 4)
+    assert len(steps(1, 4)) == 16 and len(steps(1, 4)[-1]) == 500 - 15 * 32  # the short step is the last
+
+
 def test_eval_sampler_scores_every_row_exactly_once_on_two_ranks():
     lengths = [(i * 13) % 50 + 1 for i in range(101)]
     samplers = [EvalBatchSampler(lengths, batch_size=8, num_replicas=2, rank=r) for r in range(2)]
