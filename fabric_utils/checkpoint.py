@@ -191,6 +191,8 @@ def find_resume_checkpoint(resume: str | None, root: Path, report: Callable[[str
     if not (path / "state").exists():
         raise UserError(f"--resume {resume} is not a checkpoint folder (expected {path}/state); pass auto or a "
                         f"folder like <out-dir>/checkpoints/step-000100")
+    if problem := damage(path):
+        raise UserError(f"--resume {resume} is damaged: {problem}; pass another checkpoint, or auto")
     return path
 
 
@@ -204,7 +206,7 @@ def agreed_resume_checkpoint(fabric, resume: str | None, root: Path,
         return None
     if not is_complete(Path(chosen)):
         raise UserError(f"cannot resume: rank 0 resumes from {chosen}, which rank {fabric.global_rank} does not see "
-                        f"whole; give every node the same --out-dir on a shared file system")
+                        f"whole; give every node the same --out-dir on a shared file system", rank=fabric.global_rank)
     return Path(chosen)
 
 
@@ -268,7 +270,8 @@ def load_checkpoint(fabric, path: Path, state: dict, expected_meta: dict | None 
             rng = torch.load(rng_file, weights_only=True)
         except Exception as err:
             raise UserError(f"cannot restore checkpoint {path}: its {rng_file.name} is damaged "
-                            f"({type(err).__name__}); pass another --resume or start a new --out-dir") from err
+                            f"({type(err).__name__}); pass another --resume or start a new --out-dir",
+                            rank=fabric.global_rank) from err
         set_rng_state(rng)
     return remainder
 

@@ -4,22 +4,49 @@ import functools
 import os
 import sys
 
+import torch.distributed as dist
+
 EXIT_USER_ERROR = 2
+EXIT_PEER_FAILED = 1
 
 
 class UserError(Exception):
-    """Bad input from the user (flags, data, model, checkpoint, output folder)."""
+    """Bad input from the user (flags, data, model, checkpoint, output folder). Most are found alike on every rank and
+    printed by rank 0 alone; one that only its own rank can see (a file of its own) names that ``rank``."""
+
+    def __init__(self, message: str, rank: int | None = None):
+        super().__init__(message)
+        self.rank = rank
 
 
 def exit_on_user_error(main):
-    """Turns a ``UserError`` into ``error: <message>`` on stderr and exit status 2. Every rank usually raises the
-    same error, so only the first process of the job (global rank 0, or a process that knows no rank yet) prints."""
+    """Turns a ``UserError`` into ``error: <message>`` on stderr and exit status 2: printed by the first process of
+    the job (global rank 0, or a process that knows no rank yet), or by the rank the error names. The other ranks of
+    a job that lost a process stop without a traceback of their own: their next collective fails (gloo: "Connection
+    closed by peer"; NCCL: a DistError), and rank 0 says so in one line."""
     @functools.wraps(main)
     def wrapper(*args, **kwargs):
         try:
             return main(*args, **kwargs)
         except UserError as err:
-            if os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) == "0":
-                print(f"error: {err}", file=sys.stderr, flush=True)
+            if err.rank is not None or _global_rank() == 0:
+                where = f" (rank {err.rank})" if err.rank else ""
+                print(f"error{where}: {err}", file=sys.stderr, flush=True)
             sys.exit(EXIT_USER_ERROR)
+        except Exception as err:
+            if not lost_a_peer(err):
+                raise
+            if _global_rank() == 0:
+                print("stopping: another process of this job ended; its own output says why", file=sys.stderr,
+                      flush=True)
+            sys.exit(EXIT_PEER_FAILED)
     return wrapper
+
+
+def lost_a_peer(err: Exception) -> bool:
+    """Whether a collective failed because another process of the job is gone."""
+    return isinstance(err, dist.DistError) or isinstance(err, RuntimeError) and "by peer" in str(err)
+
+
+def _global_rank() -> int:
+    return int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")))

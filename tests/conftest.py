@@ -124,6 +124,9 @@ class Job:
         """SIGKILL to every process of the run once ``checkpoints/<checkpoint>`` exists, as a lost machine would."""
         self.wait_for(self.out_dir / "checkpoints" / checkpoint)
         os.killpg(self.proc.pid, signal.SIGKILL)
+        self.wait_killed()
+
+    def wait_killed(self) -> None:
         self.wait()
         self.wait_group()
         assert not (self.out_dir / "results.json").exists(), "the run finished before it was killed"
@@ -149,11 +152,13 @@ def kill_each_after(jobs: list, checkpoint: str, timeout=300) -> None:
     while waiting:
         for job in [job for job in waiting if (job.out_dir / "checkpoints" / checkpoint).exists()]:
             waiting.remove(job)
-            job.kill_after(checkpoint)
+            os.killpg(job.proc.pid, signal.SIGKILL)
         for job in waiting:
             assert job.proc.poll() is None, f"{job.command} ended before {checkpoint}\n{job.output()[-3000:]}"
         assert time.monotonic() < deadline, f"no {checkpoint} within {timeout} s"
         time.sleep(0.01)
+    for job in jobs:
+        job.wait_killed()
 
 
 def resumed_step(output: str) -> int:

@@ -71,3 +71,25 @@ def test_a_checkpoint_that_cannot_be_resharded_is_refused_with_one_line(tmp_path
     with pytest.raises(UserError, match=r"holds the shards of 2 processes, which SingleDeviceStrategy cannot reshard "
                                         r"for 1: resume on 2 \(ddp and fsdp2 checkpoints"):
         load_checkpoint(fabric, checkpoint, {"step": 0, "meta": {"seed": 1}}, expected_meta={"seed": 1})
+
+
+def test_an_error_on_one_rank_is_one_line_naming_it_and_no_rank_prints_a_traceback(runs, tmp_path):
+    """Rank 1's own RNG file is damaged: rank 1 says so, naming itself; rank 0, whose next collective fails, stops with
+    one line and no traceback."""
+    import shutil
+    import subprocess
+    import sys
+
+    from conftest import REPO, subprocess_env
+
+    _, full = runs["full"]
+    checkpoint = shutil.copytree(sorted((full.out_dir / "checkpoints").glob("step-*"))[-1], tmp_path / "step")
+    rng = checkpoint / "rng-rank1.pt"
+    rng.write_bytes(b"\0" * rng.stat().st_size)  # its size as written: only loading it can tell
+    done = subprocess.run([sys.executable, "train.py", *FLAGS, *devices(2), "--out-dir", str(tmp_path / "run"),
+                           "--resume", str(checkpoint)], cwd=REPO, env=subprocess_env(), capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error")]
+    assert len(errors) == 1 and errors[0].startswith(
+        f"error (rank 1): cannot restore checkpoint {checkpoint}: its rng-rank1.pt is damaged ("), done.stderr[-3000:]
