@@ -120,10 +120,15 @@ class Job:
             assert time.monotonic() < deadline, f"{path} did not appear within {timeout} s"
             time.sleep(0.01)
 
-    def kill_after(self, checkpoint: str) -> None:
-        """SIGKILL to every process of the run once ``checkpoints/<checkpoint>`` exists, as a lost machine would."""
+    def kill_after(self, checkpoint: str, rank: int | None = None) -> None:
+        """SIGKILL once ``checkpoints/<checkpoint>`` exists: to every process of the run, as a lost machine would, or
+        to one ``rank``'s process only (a crashed process), after which the others must end by themselves."""
         self.wait_for(self.out_dir / "checkpoints" / checkpoint)
-        os.killpg(self.proc.pid, signal.SIGKILL)
+        if rank is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        else:  # rank 0 is the process started here; it started the others (Lightning's launcher)
+            children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()
+            os.kill(self.proc.pid if rank == 0 else int(children[rank - 1]), signal.SIGKILL)
         self.wait_killed()
 
     def wait_killed(self) -> None:
