@@ -66,7 +66,22 @@ def launch(fabric: Fabric) -> None:
     """Fabric step 2: start the processes. Under ``fabric run`` they exist already, and Fabric joined them into
     one job when it was built (it refuses a second launch)."""
     if not launched_by_cli():
+        join_restarted_torchrun_workers(fabric)
         fabric.launch()
+
+
+def join_restarted_torchrun_workers(fabric: Fabric) -> None:
+    """``torchrun --max-restarts N`` restarts every worker when one fails, but its rendezvous hands the new workers
+    the first attempt's store, which still holds the addresses the dead workers published there: gloo connects to
+    them and fails ("connectFullMesh ... Connection refused"). A restarted worker joins the process group under a
+    key prefix of its own attempt instead; Fabric then finds the group made and uses it."""
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if attempt == 0 or torch.distributed.is_initialized():
+        return
+    store = torch.distributed.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
+    torch.distributed.init_process_group("nccl" if fabric.device.type == "cuda" else "gloo",
+                                         store=torch.distributed.PrefixStore(f"attempt-{attempt}", store),
+                                         rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
 
 
 def cli_settings() -> dict:

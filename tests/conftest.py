@@ -87,10 +87,10 @@ def fabric_cli() -> str:
 class Job:
     """``python train.py ...`` running in the background, its output in ``<out_dir>.log``."""
 
-    def __init__(self, out_dir: Path, *flags: str):
+    def __init__(self, out_dir: Path, *flags: str, launcher: tuple = ()):
         self.out_dir = out_dir
         self.log = out_dir.with_name(out_dir.name + f"-{time.monotonic_ns()}.log")
-        self.command = [sys.executable, "train.py", "--out-dir", str(out_dir), *flags]
+        self.command = [sys.executable, *launcher, "train.py", "--out-dir", str(out_dir), *flags]
         with open(self.log, "w") as log:
             # own process group: a test can wait for every process of a multi-process run
             self.proc = subprocess.Popen(self.command, cwd=REPO, env=subprocess_env(), stdout=log, stderr=subprocess.STDOUT,

@@ -2,14 +2,17 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 import yaml
 
-from conftest import REPO, SMALL_DEMO, build_fabric_from_flags, fabric_cli, run, subprocess_env, train
+from conftest import (REPO, SMALL_DEMO, Job, build_fabric_from_flags, fabric_cli, kill_all, resumed_step, run,
+                      subprocess_env, train)
 from fabric_utils.batch_size import MAX_BATCH, find_batch_size
 from train import parse_args
 
@@ -51,6 +54,27 @@ def test_torchrun_launch(tmp_path):
          "--devices", "2", "--strategy", "ddp", *SMALL_DEMO, "--max-steps", "2", "--out-dir", str(tmp_path)])
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["world_size"] == 2 and results["test_examples"] == SMALL_SIZES["test_examples"]
+
+
+def test_torchrun_restarts_a_killed_worker_and_the_job_ends_like_an_uninterrupted_run(tmp_path):
+    """torchrun --max-restarts 2 with --resume auto: a worker killed with kill -9 after the step-4 checkpoint, torchrun
+    restarts both, they resume from the newest checkpoint and end with the metrics of a run never interrupted."""
+    flags = ["--accelerator", "cpu", "--devices", "2", "--strategy", "ddp", "--precision", "32-true", *SMALL_DEMO,
+             "--max-steps", "12", "--save-every", "4", "--resume", "auto"]
+    torchrun = ("-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "2", "--master-port",
+                str(29500 + os.getpid() % 1000 + 1))
+    jobs = {"full": Job(tmp_path / "full", *flags), "restarted": Job(tmp_path / "restarted", *flags, launcher=torchrun)}
+    try:
+        restarted = jobs["restarted"]
+        restarted.wait_for(tmp_path / "restarted" / "checkpoints" / "step-000004")
+        workers = Path(f"/proc/{restarted.proc.pid}/task/{restarted.proc.pid}/children").read_text().split()
+        os.kill(int(workers[-1]), signal.SIGKILL)
+        full, resumed = jobs["full"].results(), restarted.results()
+    finally:
+        kill_all(jobs)
+    assert resumed_step(restarted.output()) >= 4 and resumed["steps"] == full["steps"] == 12
+    compared = ("val_loss", "val_acc", "test_loss", "test_acc")
+    assert {key: resumed[key] for key in compared} == pytest.approx({key: full[key] for key in compared}, abs=1e-4)
 
 
 def test_two_nodes_without_slurm(tmp_path):
