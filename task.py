@@ -192,9 +192,8 @@ def build_model(source: str, label_names: list[str], problem_type: str, attentio
     """The pretrained encoder with a fresh head for ``label_names`` (never running remote code). Its config carries
     the problem type and the label names, so the exported model predicts the right way (softmax, sigmoid or a
     number). A dropout of None keeps the model's own. ``lora_r`` > 0 freezes it and adds LoRA adapters
-    (``add_lora``). The weights are fp32 whatever dtype the folder holds (transformers 5 loads a checkpoint's own
-    by default): mixed precision computes in 16 bits but must update fp32 weights, and fp16 gradients cannot even be
-    unscaled."""
+    (``add_lora``). The weights keep the dtype the folder holds (transformers memory-maps its safetensors file): the
+    loop makes them fp32 once each rank holds only its share of a sharded model, so no rank converts the whole."""
     _check_source(source)
     try:
         config = AutoConfig.from_pretrained(source, trust_remote_code=False)
@@ -213,7 +212,7 @@ def build_model(source: str, label_names: list[str], problem_type: str, attentio
     model = AutoModelForSequenceClassification.from_pretrained(
         source, num_labels=len(label_names), id2label=dict(enumerate(label_names)),
         label2id={name: i for i, name in enumerate(label_names)}, problem_type=HF_PROBLEM_TYPES[problem_type],
-        trust_remote_code=False, dtype=torch.float32,
+        trust_remote_code=False, dtype="auto",
         **{k: v for k, v in overrides.items() if hasattr(config, k)})
     if lora_r:
         model = add_lora(model, r=lora_r, alpha=lora_alpha or 2 * lora_r, dropout=lora_dropout,

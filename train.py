@@ -33,7 +33,7 @@ from fabric_utils.preemption import Preemption
 from fabric_utils.progress import Progress
 from fabric_utils.run_folder import (environment_report, prepare_out_dir, remove_if_unused, run_folder_lock,
                                      save_config)
-from fabric_utils.sharding import declare_blocks, recompute_blocks, setup_model_and_optimizer
+from fabric_utils.sharding import build_model, declare_blocks, recompute_blocks, setup_model_and_optimizer
 from fabric_utils.task_spec import TaskSpec
 from fabric_utils.speed import (Throughput, compile_model, configure_backends, default_num_workers,
                                 peak_memory_per_rank, training_flops_fn, warm_up)
@@ -84,10 +84,10 @@ def main(fabric, args, out_dir: Path) -> dict:
     for note in job.notes:
         fabric.print(note)
     objective = job.objective
-    model = declare_blocks(job.build_model(), job.blocks)
+    model = declare_blocks(build_model(fabric, job.build_model), job.blocks)  # ZeRO-3 partitions it as it is built
     if args.grad_checkpointing and not strategy_checkpoints_blocks(fabric.strategy):
         recompute_blocks(model)  # FSDP and FSDP2 recompute the blocks they shard themselves
-    params = count_parameters(model)  # now, while every rank holds every weight (no strategy has sharded them)
+    params = count_parameters(model)  # now, before FSDP shards them
 
     step_loss = functools.partial(training_loss, objective)
     flops_of = training_flops_fn(  # FLOPs of forward and backward, for MFU
@@ -300,13 +300,16 @@ def finish(fabric, args, state, loaders, out_dir, job: TaskSpec, report) -> dict
     fabric.load(best, {"model": model})
     objective = job.objective
     test = evaluate(fabric, model, loaders["test"], objective=objective)
+    # what training and testing held on each rank; the export then gathers the whole model on rank 0 alone, on the
+    # host, under every strategy
+    peaks = peak_memory_per_rank(fabric)
     export_model(fabric, best, out_dir / "model", write=lambda weights, folder: job.export(weights, model, folder))
     results = {
         **{f"val_{k}": v for k, v in state["best_val"].items()}, **{f"test_{k}": v for k, v in test.items()},
         "train_examples": len(job.datasets["train"]), "steps": state["step"],
         "epochs": state["epoch"] + (state["batch_in_epoch"] > 0), "world_size": fabric.world_size,
         "precision": fabric.strategy.precision.precision, "strategy": type(fabric.strategy).__name__,
-        **state["throughput"], "peak_memory_mb_per_rank": peak_memory_per_rank(fabric), **report,
+        **state["throughput"], "peak_memory_mb_per_rank": peaks, **report,
         "config": vars(args),
     }
     finalize_loggers(fabric.loggers)  # flushes metrics.csv, which the plots read; ends the tracked runs
