@@ -193,7 +193,7 @@ def build_model(source: str, label_names: list[str], problem_type: str, attentio
     the problem type and the label names, so the exported model predicts the right way (softmax, sigmoid or a
     number). A dropout of None keeps the model's own. ``lora_r`` > 0 freezes it and adds LoRA adapters
     (``add_lora``). The weights keep the dtype the folder holds (transformers memory-maps its safetensors file): the
-    loop makes them fp32 once each rank holds only its share of a sharded model, so no rank converts the whole."""
+    loop makes them fp32, under fsdp2 once each rank holds only its shards, so no rank converts the whole."""
     _check_source(source)
     try:
         config = AutoConfig.from_pretrained(source, trust_remote_code=False)

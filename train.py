@@ -33,7 +33,7 @@ from fabric_utils.preemption import Preemption
 from fabric_utils.progress import Progress
 from fabric_utils.run_folder import (environment_report, prepare_out_dir, remove_if_unused, run_folder_lock,
                                      save_config)
-from fabric_utils.sharding import build_model, declare_blocks, recompute_blocks, setup_model_and_optimizer
+from fabric_utils.sharding import declare_blocks, recompute_blocks, setup_model_and_optimizer
 from fabric_utils.task_spec import TaskSpec
 from fabric_utils.speed import (Throughput, compile_model, configure_backends, default_num_workers,
                                 peak_memory_per_rank, training_flops_fn, warm_up)
@@ -84,10 +84,10 @@ def main(fabric, args, out_dir: Path) -> dict:
     for note in job.notes:
         fabric.print(note)
     objective = job.objective
-    model = declare_blocks(build_model(fabric, job.build_model), job.blocks)  # ZeRO-3 partitions it as it is built
+    model = declare_blocks(job.build_model(), job.blocks)
     if args.grad_checkpointing and not strategy_checkpoints_blocks(fabric.strategy):
         recompute_blocks(model)  # FSDP and FSDP2 recompute the blocks they shard themselves
-    params = count_parameters(model)  # now, before FSDP shards them
+    params = count_parameters(model)  # now, while every rank holds every weight (no strategy has sharded them)
 
     step_loss = functools.partial(training_loss, objective)
     flops_of = training_flops_fn(  # FLOPs of forward and backward, for MFU

@@ -8,7 +8,6 @@ instead gathers every weight at once for the whole forward: no memory saved over
 communication with compute.
 """
 
-import importlib.util
 from typing import Callable
 
 import torch
@@ -114,46 +113,6 @@ def full_shape(param: nn.Parameter) -> torch.Size:
     return getattr(param, "ds_shape", param.shape)
 
 
-def build_model(fabric, build: Callable[[], nn.Module]) -> nn.Module:
-    """Calls the task's ``build()`` where the strategy needs the weights created, so that no rank holds the whole
-    model when the strategy shards it.
-
-    Under ZeRO-3 it runs inside transformers' DeepSpeed integration: ``from_pretrained`` then creates each weight
-    already partitioned over the ranks (``deepspeed.zero.Init``, in DeepSpeed's dtype) and copies the file's values
-    in one module at a time, and peft copies the head it trains the same way. A model of another library is built
-    whole and partitioned by DeepSpeed's set-up. Everywhere else the model comes as the task builds it, in the dtype
-    its file holds (transformers memory-maps safetensors files): ``setup_model_and_optimizer`` makes the weights
-    fp32, after sharding under FSDP2."""
-    if not (isinstance(fabric.strategy, DeepSpeedStrategy) and fabric.strategy.zero_stage_3
-            and importlib.util.find_spec("transformers")):
-        return build()
-    from transformers.integrations.deepspeed import HfDeepSpeedConfig, unset_hf_deepspeed_config
-
-    zero_3 = HfDeepSpeedConfig(fabric.strategy.config)  # transformers keeps a weak reference: on while this lives
-    try:
-        return build()
-    finally:
-        # off again: the export's fresh model (rank 0 alone) must not wait for the other ranks to partition it
-        unset_hf_deepspeed_config()
-        del zero_3
-
-
-def cast_for_training(module: nn.Module) -> nn.Module:
-    """Every floating-point weight and buffer in fp32, whatever dtype the pretrained file holds: mixed precision
-    computes in 16 bits but must update fp32 weights (fp16 gradients cannot even be unscaled). Fabric's precision
-    converts from there where it keeps them in another dtype (bf16-true). Under FSDP2 it runs on the sharded model,
-    casting each rank's shards only.
-
-    A model that ZeRO-3 partitioned as it created it (those weights carry a ``ds_id``) is DeepSpeed's: it created
-    them in its own dtype (bf16 under bf16-mixed, its optimizer keeping fp32 master copies) and casts none of the
-    model itself, and a cast here would not reach their partitions. The weights added after (LoRA's adapters) take
-    that dtype."""
-    created = [param.dtype for param in module.parameters() if hasattr(param, "ds_id")]
-    dtype = created[0] if created else torch.float32
-    # nn.Module.float() but for those: _apply is what float() runs, and FSDP2 re-registers its shards after it
-    return module._apply(lambda t: t.to(dtype) if t.is_floating_point() and not hasattr(t, "ds_id") else t)
-
-
 def setup_model_and_optimizer(fabric, model: nn.Module,
                               make_optimizer: Callable[[nn.Module, dict[str, torch.Size]], Optimizer]):
     """Fabric step 3: returns the set-up model and optimizer, and the plain torch optimizer inside (a learning-rate
@@ -164,11 +123,13 @@ def setup_model_and_optimizer(fabric, model: nn.Module,
     each parameter's shape before set-up by its name in ``module``: FSDP (not FSDP2) turns every parameter into a
     1-D slice of its unit's flat shard, so a rule by shape (no weight decay on biases and norms) must read it there.
 
-    The weights are cast for training (``cast_for_training``) before set-up, when each rank holds them whole anyway;
+    The weights become fp32 whatever dtype the pretrained file holds: mixed precision computes in 16 bits but must
+    update fp32 weights (fp16 gradients cannot even be unscaled), and Fabric's precision converts from there where it
+    keeps them in another dtype (bf16-true). They are cast before set-up, when each rank holds them whole anyway;
     FSDP2 casts each rank's shards after sharding instead, so no rank holds a bf16-saved model whole in fp32."""
     sharded_after = isinstance(fabric.strategy, ModelParallelStrategy)
     if not sharded_after:
-        cast_for_training(model)
+        model.float()
     if isinstance(fabric.strategy, DeepSpeedStrategy):
         # DeepSpeed compiles the module inside its engine itself, its hooks left eager; Fabric would compile the
         # whole engine (its bookkeeping, ZeRO-3's parameter fetches) as it compiles a DDP wrapper
@@ -181,8 +142,8 @@ def setup_model_and_optimizer(fabric, model: nn.Module,
     else:
         shapes = {unwrapped_name(name): full_shape(param) for name, param in model.named_parameters()}
         model = fabric.setup_module(model)
-        if sharded_after:  # Fabric converted for the precision before sharding: again, on the fp32 shards
-            fabric.strategy.precision.convert_module(cast_for_training(model))
+        if sharded_after:  # FSDP2 casts the shards (its _apply re-registers them); Fabric converted before sharding
+            fabric.strategy.precision.convert_module(model.float())
         # ``model.module`` is the module given, with FSDP's units inserted: its names lead back to ``shapes``
         before = {id(param): shapes[unwrapped_name(name)] for name, param in model.module.named_parameters()}
         optimizer = make_optimizer(model, {name: before[id(param)] for name, param in model.named_parameters()})

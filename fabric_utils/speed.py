@@ -14,8 +14,6 @@ import numpy as np
 import torch
 from lightning.fabric.utilities.throughput import ThroughputMonitor, measure_flops
 
-from fabric_utils.sharding import full_shape
-
 
 def configure_backends(device: torch.device) -> None:
     """TF32 matrix products and cuDNN autotuning: free speed on Ampere+ GPUs, meaningless elsewhere."""
@@ -74,11 +72,10 @@ def training_flops_fn(model: torch.nn.Module, step_loss: Callable[[torch.nn.Modu
 
 
 def meta_copy(module: torch.nn.Module) -> torch.nn.Module:
-    """A copy of ``module`` on the meta device: the same structure and shapes, without copying any weight (nor
-    gathering one that ZeRO-3 partitioned)."""
+    """A copy of ``module`` on the meta device: the same structure and shapes, without copying any weight."""
     memo = {}
     for tensor in itertools.chain(module.parameters(), module.buffers()):
-        on_meta = torch.empty(full_shape(tensor), dtype=tensor.dtype, device="meta")
+        on_meta = tensor.detach().to("meta")
         memo[id(tensor)] = torch.nn.Parameter(on_meta, tensor.requires_grad) if isinstance(
             tensor, torch.nn.Parameter) else on_meta
     return copy.deepcopy(module, memo)

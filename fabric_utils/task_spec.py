@@ -51,8 +51,8 @@ class Objective(Protocol):
 class TaskSpec:
     datasets: dict[str, Dataset]  # "train", "validation", "test": map-style, ds[i] is a row that collate takes
     collate: Callable[[list], dict]  # rows -> a batch: a dict of tensors, rows first, targets under "labels"
-    # the model to train, its weights in any dtype (the loop makes them fp32, after sharding where the strategy
-    # shards, then converts them as the precision wants); the loop calls it once, where it chooses
+    # the model to train, its weights in any dtype (the loop makes them fp32, after sharding under fsdp2, then
+    # converts them as the precision wants); the loop calls it once, where it chooses
     build_model: Callable[[], torch.nn.Module]
     objective: Objective
     # rows -> an input batch of that many rows at a row size (None: the task's only size), on a device: the loop

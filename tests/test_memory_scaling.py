@@ -5,10 +5,10 @@ most large models ship. Turning it into the fp32 weights that training updates u
 copy before any sharding. The job trains LoRA adapters on the frozen model: the frozen weights are then most of what
 a rank holds, so a whole fp32 copy shows (under full fine-tuning the gradients and Adam's state dominate).
 
-ZeRO-3 is not checked here, as it does not pass yet: on this job its ranks peaked at 0.95x ddp's with LoRA and 1.06x
-without, though it now partitions the weights as it creates them. DeepSpeed's default live-parameter limit
-(``stage3_max_live_parameters``, 1e9) is larger than the whole model, so a rank gathers all of it during a step
-(bench/RESULTS.md, issue 16 memory section)."""
+ZeRO-3 is not checked here, as it does not pass: on this job, even with the weights partitioned as they were
+created (a trial, bench/RESULTS.md), its ranks peaked at 0.95x ddp's with LoRA and 1.06x without. DeepSpeed's
+default live-parameter limit (``stage3_max_live_parameters``, 1e9) is larger than the whole model, so a rank gathers
+all of it during a step."""
 
 import sys
 from pathlib import Path
