@@ -127,9 +127,12 @@ class Job:
         if rank is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
         else:  # rank 0 is the process started here; it started the others (Lightning's launcher)
-            children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()
-            os.kill(self.proc.pid if rank == 0 else int(children[rank - 1]), signal.SIGKILL)
+            os.kill(self.proc.pid if rank == 0 else self.children()[rank - 1], signal.SIGKILL)
         self.wait_killed()
+
+    def children(self) -> list[int]:
+        """The processes the one started here started: the other ranks, or a launcher's workers."""
+        return [int(pid) for pid in Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()]
 
     def wait_killed(self) -> None:
         self.wait()

@@ -6,10 +6,12 @@ on any number of processes; FSDP's and DeepSpeed's shards are refused with one l
 Dropout is off: each rank draws its own masks, so masks cannot follow the rows to another number of ranks."""
 
 import json
+import shutil
+import sys
 
 import pytest
 
-from conftest import Job, kill_all, kill_each_after, resumed_step
+from conftest import Job, kill_all, kill_each_after, resumed_step, run
 
 # 256 rows, 16 per optimizer step: 16 steps per epoch, 32 in all, a checkpoint every 4
 FLAGS = ["--demo", "--accelerator", "cpu", "--precision", "32-true", "--num-workers", "0", "--max-length", "32",
@@ -76,19 +78,12 @@ def test_a_checkpoint_that_cannot_be_resharded_is_refused_with_one_line(tmp_path
 def test_an_error_on_one_rank_is_one_line_naming_it_and_no_rank_prints_a_traceback(runs, tmp_path):
     """Rank 1's own RNG file is damaged: rank 1 says so, naming itself; rank 0, whose next collective fails, stops with
     one line and no traceback."""
-    import shutil
-    import subprocess
-    import sys
-
-    from conftest import REPO, subprocess_env
-
     _, full = runs["full"]
     checkpoint = shutil.copytree(sorted((full.out_dir / "checkpoints").glob("step-*"))[-1], tmp_path / "step")
     rng = checkpoint / "rng-rank1.pt"
     rng.write_bytes(b"\0" * rng.stat().st_size)  # its size as written: only loading it can tell
-    done = subprocess.run([sys.executable, "train.py", *FLAGS, *devices(2), "--out-dir", str(tmp_path / "run"),
-                           "--resume", str(checkpoint)], cwd=REPO, env=subprocess_env(), capture_output=True,
-                          text=True, timeout=300)
+    done = run([sys.executable, "train.py", *FLAGS, *devices(2), "--out-dir", str(tmp_path / "run"), "--resume",
+                str(checkpoint)], timeout=300, check=False)
     assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
     errors = [line for line in done.stderr.splitlines() if line.startswith("error")]
     assert len(errors) == 1 and errors[0].startswith(

@@ -5,7 +5,6 @@ import os
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -67,8 +66,7 @@ def test_torchrun_restarts_a_killed_worker_and_the_job_ends_like_an_uninterrupte
     try:
         restarted = jobs["restarted"]
         restarted.wait_for(tmp_path / "restarted" / "checkpoints" / "step-000004")
-        workers = Path(f"/proc/{restarted.proc.pid}/task/{restarted.proc.pid}/children").read_text().split()
-        os.kill(int(workers[-1]), signal.SIGKILL)
+        os.kill(restarted.children()[-1], signal.SIGKILL)
         full, resumed = jobs["full"].results(), restarted.results()
     finally:
         kill_all(jobs)
