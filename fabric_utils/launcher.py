@@ -70,6 +70,15 @@ def launch(fabric: Fabric) -> None:
         fabric.launch()
 
 
+def end_job(fabric: Fabric) -> None:
+    """The last step of every process of a job: a barrier (no collective left in flight on any rank), then the
+    process group destroyed. Left to interpreter teardown, gloo's threads can kill a process in C++ ("terminate
+    called without an active exception", exit 134) after its work is done."""
+    if torch.distributed.is_initialized():
+        fabric.barrier()
+        torch.distributed.destroy_process_group()
+
+
 def join_restarted_torchrun_workers(fabric: Fabric) -> None:
     """``torchrun --max-restarts N`` restarts every worker when one fails, but its rendezvous hands the new workers
     the first attempt's store, which still holds the addresses the dead workers published there: gloo connects to

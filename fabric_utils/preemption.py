@@ -17,6 +17,8 @@ import torch.distributed as dist
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 
+from fabric_utils.launcher import end_job
+
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "try again later"
 STATUS_FILE = "preempted.txt"  # in --out-dir; scripts/requeue.sh reads it
 LAUNCHER_EXIT_WAIT_S = 30.0
@@ -99,9 +101,7 @@ class Preemption:
             stop_workers(loader)
         if self.vote is not None:  # the last vote, still in flight on the vote group
             self.vote[0].wait()
-        if torch.distributed.is_initialized():
-            fabric.barrier()
-            torch.distributed.destroy_process_group()
+        end_job(fabric)
         for sig, previous in self._previous.items():
             signal.signal(sig, previous if sig == signal.SIGINT else signal.SIG_IGN)
 

@@ -74,6 +74,13 @@ def build_fabric_from_flags(*flags):
                         grad_checkpointing=args.grad_checkpointing)
 
 
+def fake_gpu(monkeypatch, native_bf16: bool) -> None:
+    """A GPU as torch.cuda reports it: every CUDA GPU emulates bf16 (V100, T4), only compute capability 8.0+ has it
+    natively (A100, H100)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: native_bf16 or including_emulation)
+
+
 def train(args: list, out_dir: Path, **kwargs) -> dict:
     """Runs ``python train.py ARGS --out-dir OUT_DIR`` and returns its results.json."""
     run([sys.executable, "train.py", *map(str, args), "--out-dir", str(out_dir)], **kwargs)

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from fabric_utils.launcher import build_fabric  # noqa: E402
+from fabric_utils.launcher import build_fabric, end_job  # noqa: E402
 from fabric_utils.optim import build_optimizer  # noqa: E402
 from fabric_utils.sharding import setup_model_and_optimizer  # noqa: E402
 
@@ -104,6 +104,7 @@ def main():
         Path(args.out).write_text(json.dumps({
             "gathered": gathered, "reduced": reduced, "params": sum(p.numel() for p in reference.parameters()),
             "losses": losses, "reference_losses": reference_losses}, indent=1))
+    end_job(fabric)
 
 
 if __name__ == "__main__":

@@ -128,6 +128,7 @@ def _log_on_rank(rank: int, port: int, results):
 
     from lightning.fabric import Fabric
 
+    from fabric_utils.launcher import end_job
     from fabric_utils.progress import Progress
     from task import Objective
 
@@ -140,6 +141,7 @@ def _log_on_rank(rank: int, port: int, results):
     loss = torch.tensor(float("nan") if rank == 1 else 0.5)  # only rank 1 diverged
     progress.update(loss, torch.zeros(4, 2), torch.zeros(4, dtype=torch.long))
     results[rank] = progress.log(step=1, lr=1e-3)["train/loss"]
+    end_job(fabric)
 
 
 def test_a_loss_gone_non_finite_on_one_rank_is_seen_by_every_rank(tmp_path):

@@ -80,7 +80,7 @@ def test_loader_workers_count_the_cpus_this_process_may_use(monkeypatch, other_c
 
 SHARING = r"""
 import json, os, sys
-from fabric_utils.launcher import build_fabric
+from fabric_utils.launcher import build_fabric, end_job
 from fabric_utils.speed import processes_sharing
 
 fabric = build_fabric(accelerator="cpu", devices="2", strategy="ddp", precision="32-true")
@@ -89,6 +89,7 @@ found = {"shared": processes_sharing(fabric, os.sched_getaffinity(0)),
          "bound": processes_sharing(fabric, {fabric.global_rank})}  # as SLURM binds each task to its own CPUs
 if fabric.global_rank == 0:
     print(json.dumps(found))
+end_job(fabric)
 """
 
 

@@ -10,10 +10,9 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, SHIMS, SMALL_DEMO, build_fabric_from_flags, run
+from conftest import REPO, SHIMS, SMALL_DEMO, build_fabric_from_flags, fake_gpu, run
 from fabric_utils import launcher
 from fabric_utils.errors import UserError
-from test_launcher import fake_gpu
 
 TWO_CPUS = ["--accelerator", "cpu", "--devices", "2"]
 
@@ -87,7 +86,7 @@ def test_zero_2_and_3_accumulate_bf16_gradients_in_fp32(strategy, precision, acc
 
 DEEPSPEED_COMPILE = r"""
 import json, sys, torch
-from fabric_utils.launcher import build_fabric
+from fabric_utils.launcher import build_fabric, end_job
 from fabric_utils.optim import build_optimizer
 from fabric_utils.sharding import setup_model_and_optimizer
 
@@ -111,6 +110,7 @@ for compiled in (False, True):
 if fabric.global_rank == 0:
     print(json.dumps({"wrapper": type(model._forward_module).__name__, "engine_compiled": fabric.strategy.model.is_compiled,
                       "same_losses": losses[True] == losses[False]}))
+end_job(fabric)
 """
 
 

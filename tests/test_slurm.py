@@ -143,7 +143,9 @@ def test_preempted_slurm_job_is_requeued_and_finishes_like_an_uninterrupted_run(
                  and job_field(env, job, "JobState") == "PENDING", log)
     stopped = re.search(r"preempted: saved a checkpoint at step (\d+)", log.read_text())
     assert stopped, log.read_text()
-    slurm_command(env, "scontrol", "update", f"JobId={job}", "StartTime=now")  # else SLURM holds a requeue 2 min
+    # else SLURM holds a requeue 2 min. Not "now": slurmd refuses a job whose credential is from the same second as
+    # the last run's kill ("Job 1 already killed, do not launch batch job"), and the requeued job ends FAILED
+    slurm_command(env, "scontrol", "update", f"JobId={job}", "StartTime=now+2")
     wait_for_job(env, job, lambda: job_field(env, job, "JobState") == "COMPLETED", log)
 
     output = log.read_text()

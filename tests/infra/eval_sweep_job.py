@@ -16,7 +16,7 @@ from torch.utils.data import Subset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import task  # noqa: E402
-from fabric_utils.launcher import build_fabric  # noqa: E402
+from fabric_utils.launcher import build_fabric, end_job  # noqa: E402
 from fabric_utils.loaders import make_dataloaders  # noqa: E402
 from fabric_utils.sharding import declare_blocks, setup_model_and_optimizer  # noqa: E402
 from train import evaluate, parse_args  # noqa: E402
@@ -46,7 +46,7 @@ def main():
             found.append({"rows": rows, "batch": batch, **evaluate(fabric, model, loader, objective=job.objective)})
     if fabric.is_global_zero:
         out.write_text(json.dumps(found))
-    fabric.barrier()
+    end_job(fabric)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (Checkpo
                                                                          checkpoint_wrapper)
 
 import task
-from conftest import build_fabric_from_flags, fabric_cli, run
+from conftest import build_fabric_from_flags, fabric_cli, fake_gpu, run
 from fabric_utils import launcher
 from fabric_utils.errors import UserError
 from fabric_utils.sharding import block_classes
@@ -175,14 +175,6 @@ def test_fsdp_under_fabric_run_keeps_the_block_policy(monkeypatch):
 def test_precision_the_hardware_lacks_is_a_user_error():
     with pytest.raises(UserError, match="16-mixed"):
         fabric_for("--accelerator", "cpu", "--precision", "16-mixed")
-
-
-def fake_gpu(monkeypatch, native_bf16: bool) -> None:
-    """A GPU as torch.cuda reports it: every CUDA GPU emulates bf16 (V100, T4), only compute capability 8.0+ has it
-    natively (A100, H100)."""
-    monkeypatch.setattr(launcher.torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(launcher.torch.cuda, "is_bf16_supported",
-                        lambda including_emulation=True: native_bf16 or including_emulation)
 
 
 @pytest.mark.parametrize("cuda, cuda_bf16, cpu_bf16, expected", [

@@ -21,7 +21,7 @@ import torch
 
 from fabric_utils.checkpoint import save_checkpoint
 from fabric_utils.export import full_state_dict
-from fabric_utils.launcher import build_fabric
+from fabric_utils.launcher import build_fabric, end_job
 from fabric_utils.optim import build_optimizer
 from fabric_utils.sharding import setup_model_and_optimizer
 
@@ -78,7 +78,7 @@ def main():
                                         for name, weight in trained.items() if name in exported),
                   "reloaded_matches": all(torch.equal(reloaded[name], weight) for name, weight in trained.items())}
         Path(args.out).write_text(json.dumps(report, indent=1))
-    fabric.barrier()
+    end_job(fabric)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ import deepspeed
 import torch
 import torch.nn.functional as F
 
-from fabric_utils.launcher import build_fabric
+from fabric_utils.launcher import build_fabric, end_job
 from fabric_utils.speed import warm_up
 
 STEPS, ROWS, FEATURES = 3, 8, 16
@@ -111,6 +111,7 @@ def main():
     if fabric.is_global_zero:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)
+    end_job(fabric)
 
 
 if __name__ == "__main__":
