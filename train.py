@@ -21,7 +21,8 @@ from torchmetrics import MeanMetric, SumMetric
 import task
 from fabric_utils.args import build_parser, parse_flags
 from fabric_utils.batch_size import find_batch_size
-from fabric_utils.checkpoint import agreed_resume_checkpoint, load_checkpoint, read_record, save_checkpoint
+from fabric_utils.checkpoint import (agreed_resume_checkpoint, load_checkpoint, load_weights, read_record,
+                                     save_checkpoint)
 from fabric_utils.errors import UserError, exit_on_user_error
 from fabric_utils.export import export_model
 from fabric_utils.launcher import (build_fabric, clips_in_loop, launch, offloads_optimizer, scales_loss,
@@ -297,7 +298,7 @@ def evaluate(fabric, model, loader, objective) -> dict:
 def finish(fabric, args, state, loaders, out_dir, job: TaskSpec, report) -> dict:
     """Tests the best model, exports it and writes results.json (with ``report``: what else the run knows)."""
     model, best = state["model"], out_dir / "checkpoints" / "best" / "state"
-    fabric.load(best, {"model": model})
+    load_weights(fabric, best, model)
     objective = job.objective
     test = evaluate(fabric, model, loaders["test"], objective=objective)
     # what training and testing held on each rank; the export then gathers the whole model on rank 0 alone, on the

@@ -99,7 +99,8 @@ def with_loss_scaler(fabric, state: dict) -> dict:
 def _deepspeed_weights_only(fabric, state: dict):
     """DeepSpeed writes its optimizer's whole state whatever ``state`` holds. For a checkpoint that holds no optimizer
     (``checkpoints/best``, rewritten at every improvement) its ZeRO files then keep the fp32 master weights, which
-    loading the model and export read, but not Adam's two moments, twice their size, which only a resume needs."""
+    loading the model and export read, but not Adam's two moments, twice their size, which only a resume needs.
+    ZeRO-3 keeps its optimizer's state without the moments (a few bytes): ``load_weights`` loads it."""
     if not isinstance(fabric.strategy, DeepSpeedStrategy):
         yield
         return
@@ -111,12 +112,30 @@ def _deepspeed_weights_only(fabric, state: dict):
         yield
         return
     full = optimizer.state_dict  # where stages 1 and 2 (BASE_...) and stage 3 keep the moments
-    optimizer.state_dict = lambda: {k: v for k, v in full().items() if k not in (BASE_OPTIMIZER_STATE,
-                                                                                 OPTIMIZER_STATE_DICT)}
+
+    def without_moments() -> dict:
+        written = {k: v for k, v in full().items() if k != BASE_OPTIMIZER_STATE}
+        if OPTIMIZER_STATE_DICT in written:
+            written[OPTIMIZER_STATE_DICT] = {**written[OPTIMIZER_STATE_DICT], "state": {}}
+        return written
+
+    optimizer.state_dict = without_moments
     try:
         yield
     finally:
         del optimizer.state_dict  # the class's own again
+
+
+def load_weights(fabric, path: Path, model) -> None:
+    """The model's weights from a checkpoint's ``state`` into the set-up ``model`` (the best model, once training
+    is over). Asked for the weights alone, ZeRO-3 builds the whole fp32 model on every rank from every rank's files
+    (a rank of tests/test_memory_scaling.py's job peaked 40% above its training peak there); asked for its
+    optimizer too, each rank reads its own file only. The optimizer's moments then become the file's, none for a
+    checkpoint written without an optimizer: no more steps can be taken after this."""
+    state = {"model": model}
+    if isinstance(fabric.strategy, DeepSpeedStrategy) and fabric.strategy.zero_stage_3:
+        state["optimizer"] = fabric.strategy.model.optimizer  # the engine's ZeRO optimizer
+    fabric.load(path, state)
 
 
 def write_manifest(folder: Path) -> None:

@@ -23,14 +23,19 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from fabric_utils.errors import UserError
 
 
-def block_classes(model: nn.Module) -> tuple[type, ...]:
+def find_block_classes(model: nn.Module) -> tuple[type, ...]:
     """The classes of the model's transformer blocks: those it names in ``_no_split_modules``, else those of the
-    modules held in its ``ModuleList``s (DistilBERT names none, but keeps its layers in one)."""
+    modules held in its ``ModuleList``s (DistilBERT names none, but keeps its layers in one); none for a model
+    without either."""
     names = set(getattr(model, "_no_split_modules", None) or ())
     if names:
-        found = {type(module) for module in model.modules() if type(module).__name__ in names}
-    else:
-        found = {type(block) for blocks in model.modules() if isinstance(blocks, nn.ModuleList) for block in blocks}
+        return tuple({type(module) for module in model.modules() if type(module).__name__ in names})
+    return tuple({type(block) for blocks in model.modules() if isinstance(blocks, nn.ModuleList) for block in blocks})
+
+
+def block_classes(model: nn.Module) -> tuple[type, ...]:
+    """``find_block_classes``, for the strategies that cannot run without them."""
+    found = find_block_classes(model)
     if not found:
         raise UserError(f"cannot find the repeated blocks of {type(model).__name__} to shard or recompute one by "
                         f"one: the task names them in its TaskSpec's blocks; or use --strategy ddp")
@@ -98,6 +103,23 @@ def shard_blocks(model: nn.Module, device_mesh, grad_checkpointing: bool,
     return model
 
 
+def gather_one_block_at_a_time(zero_config: dict, model: nn.Module) -> None:
+    """ZeRO-3 gathers each module's weights for its forward and for its backward and frees them in between, as FSDP
+    does with its units, but keeps a gathered weight that is used again within ``stage3_max_reuse_distance``
+    parameters, 1e9 by default: after the first step (which records the order) every rank of a model under a
+    billion parameters kept the whole model gathered (1.0x a ddp rank's peak with LoRA, bench/RESULTS.md). Its
+    gradients go through a reduce bucket of Lightning's 2e8 elements, more than a small model's. Sized to the
+    largest block instead (the largest module without children for a model without blocks): a rank holds about the
+    block it computes and the next one, prefetched. Small weights (biases, norms: under
+    ``stage3_param_persistence_threshold``) stay gathered, as before."""
+    blocks = find_block_classes(model)
+    units = [module for module in model.modules()
+             if isinstance(module, blocks) or (not blocks and next(module.children(), None) is None)]
+    block = max(sum(full_shape(param).numel() for param in unit.parameters()) for unit in units)
+    zero_config.update(stage3_max_reuse_distance=block, stage3_prefetch_bucket_size=block,
+                       stage3_max_live_parameters=2 * block, reduce_bucket_size=block)
+
+
 # the name parts that Fabric (``_forward_module``), FSDP, activation checkpointing and torch.compile insert into a
 # parameter's name when they wrap the module holding it
 WRAPPER_NAME_PARTS = frozenset({"_forward_module", "_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
@@ -126,11 +148,16 @@ def setup_model_and_optimizer(fabric, model: nn.Module,
     The weights become fp32 whatever dtype the pretrained file holds: mixed precision computes in 16 bits but must
     update fp32 weights (fp16 gradients cannot even be unscaled), and Fabric's precision converts from there where it
     keeps them in another dtype (bf16-true). They are cast before set-up, when each rank holds them whole anyway;
-    FSDP2 casts each rank's shards after sharding instead, so no rank holds a bf16-saved model whole in fp32."""
+    FSDP2 casts each rank's shards after sharding instead, so no rank holds a bf16-saved model whole in fp32.
+    DeepSpeed in 16 bits casts the weights to them itself and makes its fp32 master weights from those: a cast to
+    fp32 first would change no value, and only add a whole fp32 copy to each rank's peak."""
     sharded_after = isinstance(fabric.strategy, ModelParallelStrategy)
-    if not sharded_after:
+    deepspeed_casts = isinstance(fabric.strategy, DeepSpeedStrategy) and fabric.strategy.precision.precision != "32-true"
+    if not (sharded_after or deepspeed_casts):
         model.float()
     if isinstance(fabric.strategy, DeepSpeedStrategy):
+        if fabric.strategy.zero_stage_3:
+            gather_one_block_at_a_time(fabric.strategy.config["zero_optimization"], model)
         # DeepSpeed compiles the module inside its engine itself, its hooks left eager; Fabric would compile the
         # whole engine (its bookkeeping, ZeRO-3's parameter fetches) as it compiles a DDP wrapper
         model, compile_kwargs = _unwrap_compiled(model)

@@ -19,7 +19,7 @@ from pathlib import Path
 import deepspeed
 import torch
 
-from fabric_utils.checkpoint import save_checkpoint
+from fabric_utils.checkpoint import load_weights, save_checkpoint
 from fabric_utils.export import full_state_dict
 from fabric_utils.launcher import build_fabric, end_job
 from fabric_utils.optim import build_optimizer
@@ -67,7 +67,7 @@ def main():
     save_checkpoint(fabric, root, "best", {"model": model, "step": 2})
 
     fresh, _, _ = build(fabric)  # train.py's finish(): the best model into the live engine
-    fabric.load(root / "best" / "state", {"model": fresh})
+    load_weights(fabric, root / "best" / "state", fresh)
     reloaded = full_weights(fresh)
     if fabric.is_global_zero:
         exported = full_state_dict(root / "best" / "state")
