@@ -152,7 +152,8 @@ def setup_model_and_optimizer(fabric, model: nn.Module,
     DeepSpeed in 16 bits casts the weights to them itself and makes its fp32 master weights from those: a cast to
     fp32 first would change no value, and only add a whole fp32 copy to each rank's peak."""
     sharded_after = isinstance(fabric.strategy, ModelParallelStrategy)
-    deepspeed_casts = isinstance(fabric.strategy, DeepSpeedStrategy) and fabric.strategy.precision.precision != "32-true"
+    deepspeed_casts = (isinstance(fabric.strategy, DeepSpeedStrategy)
+                       and fabric.strategy.precision.precision != "32-true")
     if not (sharded_after or deepspeed_casts):
         model.float()
     if isinstance(fabric.strategy, DeepSpeedStrategy):

@@ -78,7 +78,8 @@ def fake_gpu(monkeypatch, native_bf16: bool) -> None:
     """A GPU as torch.cuda reports it: every CUDA GPU emulates bf16 (V100, T4), only compute capability 8.0+ has it
     natively (A100, H100)."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: native_bf16 or including_emulation)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported",
+                        lambda including_emulation=True: native_bf16 or including_emulation)
 
 
 def train(args: list, out_dir: Path, **kwargs) -> dict:
