@@ -17,7 +17,7 @@ from torchmetrics.regression import MeanSquaredError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from fabric_utils.checkpoint import agreed_resume_checkpoint, load_checkpoint, save_checkpoint  # noqa: E402
-from fabric_utils.launcher import build_fabric, launch  # noqa: E402
+from fabric_utils.launcher import build_fabric, end_job, launch  # noqa: E402
 from fabric_utils.loggers import make_loggers  # noqa: E402
 from fabric_utils.optim import build_optimizer, build_scheduler  # noqa: E402
 from fabric_utils.progress import Progress  # noqa: E402
@@ -99,7 +99,7 @@ def main():
               "world_size": fabric.world_size, **monitor.stop()}
     if fabric.is_global_zero:
         (args.out_dir / "result.json").write_text(json.dumps(result))
-    fabric.barrier()  # no rank leaves while another still has a collective in flight
+    end_job(fabric)  # no rank leaves while another still has a collective in flight, nor with its process group up
 
 
 if __name__ == "__main__":
