@@ -15,70 +15,122 @@ then looks for an accelerator and finds none. FSDP1 itself shards, gathers and r
 Python imports this file at start-up when tests put this folder on PYTHONPATH and set a variable; child processes
 started by Fabric inherit both, and so does every other Python subprocess, such as the one py-cpuinfo starts for
 DeepSpeed's CPU Adam and whose stdout it parses as JSON: naming the accelerator (DS_ACCELERATOR) keeps DeepSpeed's
-"Setting accelerator to CPU" warning off it.
+"Setting accelerator to CPU" warning off it. Each patch waits until its module is imported: importing DeepSpeed and
+Lightning here made each of those py-cpuinfo processes (six per DeepSpeed run) take seconds instead of a fraction of
+one.
 """
 
+import importlib.abc
 import os
+import sys
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs ``patch(module)`` right after ``name`` is first imported, in processes that import it at all."""
+
+    def __init__(self):
+        self.patches: dict[str, list] = {}
+
+    def add(self, name: str, patch) -> None:
+        self.patches.setdefault(name, []).append(patch)
+
+    def find_spec(self, name, path, target=None):
+        if name not in self.patches:
+            return None
+        spec = next(filter(None, (finder.find_spec(name, path, target) for finder in sys.meta_path
+                                  if finder is not self and hasattr(finder, "find_spec"))), None)
+        if spec is None:
+            return None
+        patches, exec_module = self.patches.pop(name), spec.loader.exec_module
+
+        def exec_and_patch(module):
+            exec_module(module)
+            for patch in patches:
+                patch(module)
+
+        spec.loader.exec_module = exec_and_patch
+        return spec
+
+
+_after_import = _AfterImport()
+sys.meta_path.insert(0, _after_import)
 
 if os.environ.get("FABRIC_TEMPLATE_DEEPSPEED_CPU") == "1":
     os.environ["DS_ACCELERATOR"] = "cpu"
-    import deepspeed
-    import lightning.fabric.strategies.deepspeed as fabric_deepspeed
-    from lightning.fabric.accelerators import CPUAccelerator
 
-    fabric_deepspeed.CUDAAccelerator = CPUAccelerator
-    fabric_deepspeed._validate_device_index_selection = lambda devices: None
-    _initialize = deepspeed.initialize
+    def patch_fabric_deepspeed(fabric_deepspeed):
+        from lightning.fabric.accelerators import CPUAccelerator
 
-    def initialize(*args, **kwargs):
-        if getattr(kwargs.get("args"), "device_rank", 0) is None:
-            kwargs["args"].device_rank = -1
-        return _initialize(*args, **kwargs)
+        fabric_deepspeed.CUDAAccelerator = CPUAccelerator
+        fabric_deepspeed._validate_device_index_selection = lambda devices: None
 
-    deepspeed.initialize = initialize
+    def patch_deepspeed(deepspeed):
+        _initialize = deepspeed.initialize
+
+        def initialize(*args, **kwargs):
+            if getattr(kwargs.get("args"), "device_rank", 0) is None:
+                kwargs["args"].device_rank = -1
+            return _initialize(*args, **kwargs)
+
+        deepspeed.initialize = initialize
+
+    _after_import.add("lightning.fabric.strategies.deepspeed", patch_fabric_deepspeed)
+    _after_import.add("deepspeed", patch_deepspeed)
 
 # fp16 autocast with loss scaling on CPU, so the 16-mixed path (scaler, skipped overflow steps) can be tested without a
 # GPU. Fabric swaps 16-mixed for bf16-mixed on CPU behind a warning; torch itself has fp16 CPU autocast and a CPU
 # GradScaler, so this undoes the swap. FABRIC_TEMPLATE_FP16_CPU_INIT_SCALE sets the scaler's first scale (torch's
 # default 2**16): a huge one forces overflow steps.
 if os.environ.get("FABRIC_TEMPLATE_FP16_CPU") == "1":
-    import torch
-    from lightning.fabric.connector import _Connector
-    from lightning.fabric.plugins.precision import MixedPrecision
 
-    _check_and_init_precision = _Connector._check_and_init_precision
+    def patch_precision(connector):
+        _check_and_init_precision = connector._Connector._check_and_init_precision
 
-    def check_and_init_precision(self):
-        asked = self._precision_input
-        plugin = _check_and_init_precision(self)
-        if asked == "16-mixed" and type(plugin) is MixedPrecision and plugin.precision == "bf16-mixed":
-            init_scale = float(os.environ.get("FABRIC_TEMPLATE_FP16_CPU_INIT_SCALE", 2.0**16))
-            return MixedPrecision("16-mixed", device="cpu", scaler=torch.amp.GradScaler("cpu", init_scale=init_scale))
-        return plugin
+        def check_and_init_precision(self):
+            import torch
+            from lightning.fabric.plugins.precision import MixedPrecision
 
-    _Connector._check_and_init_precision = check_and_init_precision
+            asked = self._precision_input
+            plugin = _check_and_init_precision(self)
+            if asked == "16-mixed" and type(plugin) is MixedPrecision and plugin.precision == "bf16-mixed":
+                init_scale = float(os.environ.get("FABRIC_TEMPLATE_FP16_CPU_INIT_SCALE", 2.0**16))
+                return MixedPrecision("16-mixed", device="cpu",
+                                      scaler=torch.amp.GradScaler("cpu", init_scale=init_scale))
+            return plugin
+
+        connector._Connector._check_and_init_precision = check_and_init_precision
+
+    _after_import.add("lightning.fabric.connector", patch_precision)
 
 if os.environ.get("FABRIC_TEMPLATE_FSDP_CPU") == "1":
-    import torch
-    from lightning.fabric.connector import _Connector
-    from lightning.fabric.strategies import FSDPStrategy
-    from torch.distributed.fsdp import FullyShardedDataParallel
 
-    _check_strategy_and_fallback = _Connector._check_strategy_and_fallback
+    def patch_strategy_check(connector):
+        _check_strategy_and_fallback = connector._Connector._check_strategy_and_fallback
 
-    def check_strategy_and_fallback(self):
-        accelerator = self._accelerator_flag  # only this check reads it as "cuda"; the accelerator stays the CPU
-        if isinstance(self._strategy_flag, FSDPStrategy) and accelerator == "cpu":
-            self._accelerator_flag = "cuda"
-        try:
-            _check_strategy_and_fallback(self)
-        finally:
-            self._accelerator_flag = accelerator
+        def check_strategy_and_fallback(self):
+            from lightning.fabric.strategies import FSDPStrategy
 
-    _Connector._check_strategy_and_fallback = check_strategy_and_fallback
-    _fsdp_init = FullyShardedDataParallel.__init__
+            accelerator = self._accelerator_flag  # only this check reads it as "cuda"; the accelerator stays the CPU
+            if isinstance(self._strategy_flag, FSDPStrategy) and accelerator == "cpu":
+                self._accelerator_flag = "cuda"
+            try:
+                _check_strategy_and_fallback(self)
+            finally:
+                self._accelerator_flag = accelerator
 
-    def fsdp_init(self, module, *args, device_id=None, **kwargs):
-        _fsdp_init(self, module, *args, device_id=torch.device("cpu") if device_id is None else device_id, **kwargs)
+        connector._Connector._check_strategy_and_fallback = check_strategy_and_fallback
 
-    FullyShardedDataParallel.__init__ = fsdp_init
+    def patch_fsdp(fsdp_module):
+        import torch
+
+        fsdp_class = fsdp_module.FullyShardedDataParallel
+        _fsdp_init = fsdp_class.__init__
+
+        def fsdp_init(self, module, *args, device_id=None, **kwargs):
+            _fsdp_init(self, module, *args, device_id=torch.device("cpu") if device_id is None else device_id,
+                       **kwargs)
+
+        fsdp_class.__init__ = fsdp_init
+
+    _after_import.add("lightning.fabric.connector", patch_strategy_check)
+    _after_import.add("torch.distributed.fsdp.fully_sharded_data_parallel", patch_fsdp)
