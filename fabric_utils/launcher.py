@@ -9,6 +9,7 @@ values stops with a message that says which to remove.
 
 import argparse
 import os
+import time
 import typing
 from contextlib import contextmanager
 from functools import partial
@@ -76,6 +77,11 @@ def end_job(fabric: Fabric) -> None:
     called without an active exception", exit 134) after its work is done."""
     if torch.distributed.is_initialized():
         fabric.barrier()
+        # gloo's worker threads free each collective after its caller saw it finish, and freeing one that holds Python
+        # tensors takes the GIL; the group's destructor joins those threads, holding the GIL when the group's last
+        # holder (DDP's reducer, say) is freed. Had a worker not finished by then, the process would hang for good: a
+        # moment without the GIL lets them finish
+        time.sleep(0.1)
         torch.distributed.destroy_process_group()
 
 

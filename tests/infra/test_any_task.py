@@ -92,12 +92,13 @@ LAUNCH = ["--accelerator", "cpu", "--devices", "2", "--strategy", "ddp", "--prec
 def test_a_run_killed_and_resumed_ends_where_an_uninterrupted_run_ends(tmp_path):
     """kill -9 of rank 1 after the step-5 checkpoint (a crashed process: rank 0 must end by itself), then --resume
     auto: the same steps, and the same validation and test figures as a run that was never interrupted (they start
-    together)."""
+    together). The interrupted run recomputes its blocks' activations in backward (--grad-checkpointing: the model's
+    own checkpointing, else a wrapper around each of the task's blocks), which must change none of the figures."""
     flags = [*task.TEST_FLAGS, *LAUNCH]
-    jobs = {"full": Job(tmp_path / "full", *flags), "killed": Job(tmp_path / "killed", *flags)}
+    jobs = {"full": Job(tmp_path / "full", *flags), "killed": Job(tmp_path / "killed", *flags, "--grad-checkpointing")}
     try:
         jobs["killed"].kill_after("step-000005", rank=1)
-        jobs["resumed"] = Job(tmp_path / "killed", *flags, "--resume", "auto")
+        jobs["resumed"] = Job(tmp_path / "killed", *flags, "--grad-checkpointing", "--resume", "auto")
         full, resumed = jobs["full"].results(), jobs["resumed"].results()
     finally:
         kill_all(jobs)
