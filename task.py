@@ -2,7 +2,8 @@
 
 To train something else, replace this file; `train.py` and `fabric_utils/` only ever call the contract that
 `fabric_utils/task_spec.py` writes down (`examples/` holds other tasks that satisfy it):
-- `add_args`: the data and model flags, and this task's defaults for loop flags (its learning rate)
+- `add_args`: the data and model flags, and this task's defaults for loop flags (its learning rate: set in
+  `setup`, from the model's width, unless `--lr` is given)
 - `PRESETS`: loop defaults that a task flag brings (`--demo`, `--lora-r`)
 - `setup`: the parsed flags -> a `TaskSpec`: tokenized train / validation / test splits (via `data/`), the
   collate function, the model builder (all of it, or LoRA adapters on a frozen model), the `Objective` (forward,
@@ -32,11 +33,12 @@ from fabric_utils.args import dropout, non_negative_int, positive_float, positiv
 from fabric_utils.errors import UserError
 from fabric_utils.task_spec import TaskSpec
 
-# 1.5e-4: in one-epoch fine-tunes of all-MiniLM-L6-v2 it beat 2e-4 on 2,000 IMDB rows (0.829 against 0.809 test acc;
-# the article's fixed 5e-5: 0.843) and on 600 (0.775 against 0.763; article 0.725), 3 seeds each; 1e-4 fell to 0.713
-# on 600 rows (bench/RESULTS.md, issue 10). Base-size models (BERT, DistilBERT) are usually tuned lower: try 5e-5 to
-# 1e-4 if the loss spikes
-LR = 1.5e-4
+# --lr's default, by the model's width (hidden size): smaller encoders fine-tune at larger rates. Each entry is the
+# widest model it covers. 384 and below: 1.5e-4, measured on all-MiniLM-L6-v2 (22M parameters), the only pretrained
+# model available offline (bench/RESULTS.md: issues 10 and 19). Up to 768, base size (BERT, DistilBERT, RoBERTa,
+# 66-125M): 5e-5, the article's rate for DistilBERT (~93% on IMDB) and the top of the BERT paper's fine-tuning grid
+# (5e-5, 3e-5, 2e-5). Wider (large, 1024+): 2e-5, inside that grid and RoBERTa-large's (1e-5 to 3e-5)
+LR_BY_WIDTH = ((384, 1.5e-4), (768, 5e-5), (float("inf"), 2e-5))
 # the demo's tiny model starts from random weights: it needs a far larger learning rate than fine-tuning
 DEMO_DEFAULTS = {"lr": 2e-3}
 # LoRA trains a few small matrices, B from zero: it needs a far larger rate than full fine-tuning (bench/RESULTS.md)
@@ -52,7 +54,7 @@ DEMO_ROOT = Path.home() / ".cache" / "fabric-template" / "demo"
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
-    parser.set_defaults(lr=LR)
+    parser.set_defaults(lr=None)  # None: from the model's width (LR_BY_WIDTH), chosen in setup
     parser.add_argument("--demo", action="store_true",
                         help="offline run on a synthetic dataset with a tiny model built locally (overrides "
                              "--dataset and --model)")
@@ -80,7 +82,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--pad-to-multiple-of", type=positive_int, default=8,
                    help="round each batch's padded length up to a multiple of this (tensor-core friendly)")
 
-    g = parser.add_argument_group("model")
+    g = parser.add_argument_group("model", "--lr's default follows the model's width (hidden size): 1.5e-4 up to 384 "
+                                  "(chosen on all-MiniLM-L6-v2), 5e-5 up to 768 (base size: BERT, DistilBERT; "
+                                  "published recipes), 2e-5 wider (large)")
     g.add_argument("--model", default="distilbert-base-uncased", help="hub id or local folder")
     g.add_argument("--attention-dropout", type=dropout, default=0.0,
                    help="attention-probability dropout, or 'model' for the model's own; 0 skips drawing a random "
@@ -109,6 +113,8 @@ def setup(args: argparse.Namespace, verbose: bool) -> TaskSpec:
                      problem_type=args.problem_type, label_separator=args.label_separator,
                      drop_invalid=args.drop_invalid, text_pair_column=args.text_pair_column)
     args.problem_type = data.problem_type  # config.yaml records what auto chose
+    if args.lr is None:  # and the learning rate chosen for the model
+        args.lr = learning_rate_for(load_model_config(data.model_source))
     objective = Objective(data.problem_type, num_labels=len(data.label_names))
 
     def build() -> torch.nn.Module:
@@ -185,6 +191,21 @@ HF_PROBLEM_TYPES = {"single_label": "single_label_classification", "multi_label"
                     "regression": "regression"}
 
 
+def load_model_config(source: str):
+    _check_source(source)
+    try:
+        return AutoConfig.from_pretrained(source, trust_remote_code=False)
+    except OSError as err:
+        raise UserError(f"cannot load model {source!r}: {str(err).splitlines()[0]}") from err
+
+
+def learning_rate_for(config) -> float:
+    """The peak learning rate for a model of this width (``LR_BY_WIDTH``); the base-size rate if the config names
+    no hidden size."""
+    width = getattr(config, "hidden_size", None) or 768
+    return next(lr for widest, lr in LR_BY_WIDTH if width <= widest)
+
+
 def build_model(source: str, label_names: list[str], problem_type: str, attention_dropout: float | None,
                 hidden_dropout: float | None, lora_r: int = 0,
                 lora_alpha: float | None = None, lora_dropout: float = 0.0,
@@ -194,11 +215,7 @@ def build_model(source: str, label_names: list[str], problem_type: str, attentio
     number). A dropout of None keeps the model's own. ``lora_r`` > 0 freezes it and adds LoRA adapters
     (``add_lora``). The weights keep the dtype the folder holds (transformers memory-maps its safetensors file): the
     loop makes them fp32, under fsdp2 once each rank holds only its shards, so no rank converts the whole."""
-    _check_source(source)
-    try:
-        config = AutoConfig.from_pretrained(source, trust_remote_code=False)
-    except OSError as err:
-        raise UserError(f"cannot load model {source!r}: {str(err).splitlines()[0]}") from err
+    config = load_model_config(source)
     trained_labels = list(config.id2label.values()) if config.architectures and any(
         a.endswith("ForSequenceClassification") for a in config.architectures) else None
     if trained_labels and len(trained_labels) != len(label_names):

@@ -62,7 +62,6 @@ def setup(argv=None) -> dict:
                               strategy=args.strategy, precision=args.precision, grad_clip=args.grad_clip,
                               grad_checkpointing=args.grad_checkpointing,
                               loggers=loggers)                                               # Fabric step 1
-        warn_if_updates_vanish(fabric.strategy.precision, lr=args.lr)
         launch(fabric)                                                                       # Fabric step 2
         out_dir = Path(fabric.broadcast(str(out_dir)))  # ranks started apart in time agree on rank 0's folder
         with run_folder_lock(fabric, out_dir):
@@ -82,6 +81,7 @@ def main(fabric, args, out_dir: Path) -> dict:
 
     with fabric.rank_zero_first(local=True):  # rank 0 of each node prepares the data first; the others read its cache
         job: TaskSpec = task.setup(args, verbose=fabric.is_global_zero and not args.quiet)
+    warn_if_updates_vanish(fabric.strategy.precision, lr=args.lr)  # the task may have chosen --lr for its model
     for note in job.notes:
         fabric.print(note)
     objective = job.objective

@@ -81,8 +81,8 @@ def build_parser(description: str) -> argparse.ArgumentParser:
                    help="micro-batches per optimizer step; DDP, FSDP and ZeRO-1 reduce gradients only on the last, "
                         "ZeRO-2/3 on every one (they keep only their shard)")
     g.add_argument("--lr", type=positive_float, default=1e-3,
-                   help="peak learning rate (a task sets its own default: task.py says which models it was chosen "
-                        "for)")
+                   help="peak learning rate (a task may set its own default, or choose one for the model it "
+                        "loads: its flags' help says for which models)")
     g.add_argument("--optimizer", choices=("adamw", "adam"), default="adamw")
     g.add_argument("--weight-decay", type=non_negative_float, default=0.01, help="AdamW decoupled weight decay")
     g.add_argument("--scheduler", choices=("linear", "cosine", "one-cycle", "constant"), default="linear",
