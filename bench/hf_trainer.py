@@ -1,6 +1,7 @@
 """The Hugging Face ``Trainer`` peer of train.py for the speed benchmark: same model (built by the template's own
 ``task.build_model``, so with the same attention and hidden dropout), data subset, seed, learning rate, batch size, epochs,
-schedule, weight decay and clipping, all defaulting to train.py's defaults; dynamic padding and length grouping.
+schedule, weight decay and clipping, all defaulting to train.py's defaults (the task's rate for the model); dynamic padding
+and length grouping.
 
 Writes ``results.json`` with the keys run_bench.py reads from train.py's results (``mfu`` is not measured here).
 The training clock is the sum of the epochs' own times (data loading and steps), so the validation and the checkpoint
@@ -22,6 +23,7 @@ from data.sources import load_splits  # noqa: E402
 from data.tokenize import tokenize_splits  # noqa: E402
 from fabric_utils.args import dropout  # noqa: E402
 from task import build_model as build_template_model  # noqa: E402
+from task import learning_rate_for, load_model_config  # noqa: E402
 from train import flag_parser  # noqa: E402
 
 TEMPLATE = flag_parser()
@@ -85,13 +87,15 @@ def main(argv=None):
     tokenized = tokenize_splits(data.splits, tokenizer, "text", args.max_length)  # keeps a "length" column
     model = build_model(args.model, data.label_names, args.attention_dropout, args.hidden_dropout)
 
+    lr = args.lr or learning_rate_for(load_model_config(args.model))  # as train.py's task chooses it
+
     def accuracy(pred):
         return {"accuracy": float((np.argmax(pred.predictions, axis=-1) == pred.label_ids).mean())}
 
     training_args = TrainingArguments(
         output_dir=args.out_dir, use_cpu=not torch.cuda.is_available(), seed=args.seed, bf16=args.bf16,
         num_train_epochs=args.epochs, per_device_train_batch_size=args.batch_size,
-        per_device_eval_batch_size=2 * args.batch_size, learning_rate=args.lr, weight_decay=args.weight_decay,
+        per_device_eval_batch_size=2 * args.batch_size, learning_rate=lr, weight_decay=args.weight_decay,
         lr_scheduler_type=HF_SCHEDULERS[args.scheduler], warmup_steps=args.warmup, max_grad_norm=args.grad_clip,
         train_sampling_strategy="group_by_length", length_column_name="length",
         dataloader_num_workers=args.num_workers, eval_strategy="epoch", save_strategy="epoch", save_total_limit=1,

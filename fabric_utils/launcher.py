@@ -128,7 +128,8 @@ def resolve_launch_settings(flags: dict) -> dict:
 
 
 def auto_precision(accelerator: str, strategy: str = "auto") -> str:
-    """bf16 autocast where the hardware runs bf16 natively, fp16 with loss scaling on older GPUs, else fp32.
+    """bf16 autocast where the hardware runs it faster than fp32 (GPUs with native bf16, CPUs with AMX), fp16 with loss
+    scaling on older GPUs, else fp32.
     ``torch.cuda.is_bf16_supported()`` alone also counts GPUs that only emulate bf16 (V100, T4). fsdp2 has no loss
     scaler (Fabric's ModelParallelStrategy refuses 16-mixed), so on those GPUs it gets fp32."""
     use_cuda = accelerator in ("cuda", "gpu") or (accelerator == "auto" and torch.cuda.is_available())
@@ -136,18 +137,20 @@ def auto_precision(accelerator: str, strategy: str = "auto") -> str:
         if torch.cuda.is_bf16_supported(including_emulation=False):
             return "bf16-mixed"
         return "32-true" if strategy == FSDP2 else "16-mixed"
-    if accelerator in ("cpu", "auto") and cpu_has_native_bf16():
+    if accelerator in ("cpu", "auto") and cpu_has_amx():
         return "bf16-mixed"
     return "32-true"
 
 
-def cpu_has_native_bf16() -> bool:
-    """AMX or AVX512-BF16: without them PyTorch emulates bf16 matrix products, slower than fp32."""
+def cpu_has_amx() -> bool:
+    """AMX (its bf16 tiles): the CPUs on which bf16-mixed trains faster than fp32. AVX512-BF16 alone is not enough:
+    on a Xeon with it and no AMX, bf16-mixed trained 1.7x slower than fp32 side by side (bench/RESULTS.md, issue 19);
+    with neither, PyTorch emulates bf16 matrix products."""
     try:
         flags = Path("/proc/cpuinfo").read_text().split()
     except OSError:  # not Linux: no cheap way to tell, and fp32 is the safe choice
         return False
-    return "amx_bf16" in flags or "avx512_bf16" in flags
+    return "amx_bf16" in flags
 
 
 def build_fabric(accelerator=None, devices=None, num_nodes=None, strategy=None, precision=None, grad_clip=0.0,

@@ -94,3 +94,13 @@ def test_the_fault_table_names_tests_that_exist():
     missing = [f"{path}::{name}" for path, name in named
                if not re.search(rf"^def {name}\(", (REPO / path).read_text(), re.MULTILINE)]
     assert not missing
+
+
+def test_the_learning_rates_the_technique_table_states_are_the_tasks():
+    from task import LR_BY_WIDTH
+
+    rows = {line.split("|")[1].strip(): line for line in (REPO / "README.md").read_text().splitlines()
+            if line.startswith("| ")}
+    stated = [(float(lr), float(width)) for lr, width in re.findall(r"([\d.]+e-\d+) up to (\d+)", rows["schedule"])]
+    stated.append((float(re.search(r"([\d.]+e-\d+) wider", rows["schedule"]).group(1)), float("inf")))
+    assert stated == [(lr, width) for width, lr in LR_BY_WIDTH]
