@@ -1,7 +1,7 @@
 """The Hugging Face ``Trainer`` peer of train.py for the speed benchmark: same model (built by the template's own
 ``task.build_model``, so with the same attention and hidden dropout), data subset, seed, learning rate, batch size, epochs,
-schedule, weight decay and clipping, all defaulting to train.py's defaults (the task's rate for the model); dynamic padding
-and length grouping.
+schedule, weight decay and clipping, all defaulting to train.py's defaults (the task's rate for the model); dynamic
+padding and length grouping.
 
 Writes ``results.json`` with the keys run_bench.py reads from train.py's results (``mfu`` is not measured here).
 The training clock is the sum of the epochs' own times (data loading and steps), so the validation and the checkpoint

@@ -7,9 +7,9 @@ import pytest
 import yaml
 from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification, DistilBertConfig, RobertaConfig
 
+import task
 from conftest import train
 from data.demo import prepare_demo
-import task
 from task import learning_rate_for
 from train import parse_args
 
