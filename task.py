@@ -76,6 +76,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--val-size", type=positive_int, help="validation rows (carved from train if the data has none; "
                    "default 5,000 or a fifth of train)")
     g.add_argument("--test-size", type=positive_int, help="use a random subset of this many test rows")
+    g.add_argument("--data-seed", type=int, help="seed that draws the subsets and carves the validation rows "
+                   "(default: --seed); fix it to train with other --seeds on the same rows")
     g.add_argument("--max-length", type=positive_int, default=512, help="truncate texts to this many tokens")
     g.add_argument("--pad-to-max-length", action="store_true", help="pad every row to --max-length (the article's "
                    "recipe; slow)")
@@ -107,8 +109,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 def setup(args: argparse.Namespace, verbose: bool) -> TaskSpec:
     """The job for these flags: checked, tokenized splits, the model builder, objective and export."""
     quiet_libraries(not verbose)
+    args.data_seed = args.seed if args.data_seed is None else args.data_seed  # config.yaml records the draw
     data = load_data(dataset=args.dataset, model=args.model, demo=args.demo, text_column=args.text_column,
-                     label_column=args.label_column, max_length=args.max_length, seed=args.seed,
+                     label_column=args.label_column, max_length=args.max_length, seed=args.data_seed,
                      train_size=args.train_size, val_size=args.val_size, test_size=args.test_size,
                      problem_type=args.problem_type, label_separator=args.label_separator,
                      drop_invalid=args.drop_invalid, text_pair_column=args.text_pair_column)
@@ -133,7 +136,7 @@ def setup(args: argparse.Namespace, verbose: bool) -> TaskSpec:
         export=lambda weights, model, folder: export(weights, model, data.tokenizer, folder),
         meta={"model": data.model_source, "labels": data.label_names, "problem_type": data.problem_type,
               "--dataset": "--demo" if args.demo else args.dataset, "--max-length": args.max_length,
-              "--train-size": args.train_size},
+              "--train-size": args.train_size, "--data-seed": args.data_seed},
         sizes={name: split["length"] for name, split in data.splits.items()}, row_sizes=row_lengths,
         max_size=args.max_length, notes=data.notes)
 

@@ -109,7 +109,7 @@ def main(fabric, args, out_dir: Path) -> dict:
     loaders = make_loaders(fabric, args, job)
     max_steps = args.max_steps or args.epochs * math.ceil(len(loaders["train"]) / args.grad_accum)
     scheduler = build_scheduler(torch_optimizer, args.scheduler, lr=args.lr, max_steps=max_steps,
-                                warmup_steps=count_warmup_steps(args.warmup, max_steps))
+                                warmup_steps=count_warmup_steps(args.warmup, max_steps), min_lr_rate=args.min_lr_rate)
 
     # what a resume must continue: the task's model and data, and this loop's optimization
     meta = {**job.meta, **optimization(args, fabric.world_size, max_steps)}
@@ -146,7 +146,8 @@ def optimization(args, world_size: int, max_steps: int) -> dict:
     """What defines the optimization, named by the flags that set it: a resume that changed one would continue
     another run (the schedule would jump, the batches change mid-epoch)."""
     return {"--seed": args.seed, "--optimizer": args.optimizer, "--lr": args.lr, "--weight-decay": args.weight_decay,
-            "--scheduler": args.scheduler, "--warmup": args.warmup, "--grad-clip": args.grad_clip,
+            "--scheduler": args.scheduler, "--warmup": args.warmup, "--min-lr-rate": args.min_lr_rate,
+            "--grad-clip": args.grad_clip,
             "optimizer steps (--max-steps, --epochs)": max_steps,
             ROWS_PER_STEP: args.batch_size * world_size * args.grad_accum}
 

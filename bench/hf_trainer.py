@@ -27,8 +27,15 @@ from task import learning_rate_for, load_model_config  # noqa: E402
 from train import flag_parser  # noqa: E402
 
 TEMPLATE = flag_parser()
-# train.py's --scheduler names as transformers' get_scheduler names (one-cycle has no Trainer peer)
-HF_SCHEDULERS = {"linear": "linear", "cosine": "cosine", "constant": "constant_with_warmup"}
+# train.py's --scheduler names as transformers' get_scheduler names (one-cycle has no Trainer peer); a linear decay
+# to --min-lr-rate x the peak is transformers' polynomial decay of power 1
+HF_SCHEDULERS = {"linear": "polynomial", "cosine": "cosine_with_min_lr", "constant": "constant_with_warmup"}
+
+
+def hf_scheduler_kwargs(scheduler: str, lr: float, min_lr_rate: float) -> dict:
+    """Where the decay ends, in the arguments of HF_SCHEDULERS' schedules."""
+    return {"linear": {"lr_end": min_lr_rate * lr, "power": 1.0}, "cosine": {"min_lr_rate": min_lr_rate}}.get(
+        scheduler, {})
 
 
 def parse_args(argv=None):
@@ -41,7 +48,7 @@ def parse_args(argv=None):
     p.add_argument("--test-size", type=int)
     for flag in ("max_length", "epochs", "batch_size"):
         p.add_argument(f"--{flag.replace('_', '-')}", type=int, default=TEMPLATE.get_default(flag))
-    for flag in ("lr", "weight_decay", "grad_clip"):
+    for flag in ("lr", "weight_decay", "grad_clip", "min_lr_rate"):
         p.add_argument(f"--{flag.replace('_', '-')}", type=float, default=TEMPLATE.get_default(flag))
     p.add_argument("--warmup", type=float, default=TEMPLATE.get_default("warmup"),
                    help="a fraction of all steps if below 1 (transformers rounds it up), else a step count")
@@ -96,7 +103,9 @@ def main(argv=None):
         output_dir=args.out_dir, use_cpu=not torch.cuda.is_available(), seed=args.seed, bf16=args.bf16,
         num_train_epochs=args.epochs, per_device_train_batch_size=args.batch_size,
         per_device_eval_batch_size=2 * args.batch_size, learning_rate=lr, weight_decay=args.weight_decay,
-        lr_scheduler_type=HF_SCHEDULERS[args.scheduler], warmup_steps=args.warmup, max_grad_norm=args.grad_clip,
+        lr_scheduler_type=HF_SCHEDULERS[args.scheduler],
+        lr_scheduler_kwargs=hf_scheduler_kwargs(args.scheduler, lr, args.min_lr_rate), warmup_steps=args.warmup,
+        max_grad_norm=args.grad_clip,
         train_sampling_strategy="group_by_length", length_column_name="length",
         dataloader_num_workers=args.num_workers, eval_strategy="epoch", save_strategy="epoch", save_total_limit=1,
         load_best_model_at_end=True, metric_for_best_model="accuracy", logging_strategy="no", report_to="none",

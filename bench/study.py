@@ -26,6 +26,7 @@ same seed. The report records a fingerprint of each draw's rows.
 import argparse
 import csv
 import json
+import shutil
 import statistics
 import sys
 from pathlib import Path
@@ -61,6 +62,9 @@ def parse_args(argv=None):
     p.add_argument("--configs", required=True, help="comma list of names, or 'list' to print them; a name may be "
                    "extended with '+FLAGS' in quotes, e.g. 'default+--lr 1e-4'")
     p.add_argument("--seeds", default="1,2,3", help="comma list (the seed also draws the data subset)")
+    p.add_argument("--orders", type=int, default=1, help="runs per draw and configuration, each with another "
+                   "--seed (batch order, head init, dropout) on the draw's rows (--data-seed); a draw's accuracy "
+                   "and time are their mean. Order 1 is the draw's own seed")
     p.add_argument("--train-sizes", default="600", help="comma list of training-row counts")
     p.add_argument("--val-size", type=int, default=120)
     p.add_argument("--test-size", type=int, default=241)
@@ -96,7 +100,17 @@ def flag_value(flags: list[str], flag: str, default):
     return flags[flags.index(flag) + 1] if flag in flags else default
 
 
-def run_one(name: str, seed: int, train_size: int, args) -> dict | None:
+def run_draw(name: str, seed: int, train_size: int, args) -> dict | None:
+    """A configuration on one draw: its --orders runs, with test and final validation accuracy and training seconds
+    averaged over them (each run's in "orders"); None if one is not done yet under --summarise-only."""
+    runs = [run_one(name, seed, order, train_size, args) for order in range(1, args.orders + 1)]
+    if args.orders == 1 or None in runs or any("failed" in r for r in runs):
+        return None if None in runs else next((r for r in runs if "failed" in r), runs[0])
+    mean = {key: statistics.mean(r[key] for r in runs) for key in ("test_acc", "final_val_acc", "train_s")}
+    return runs[0] | mean | {"orders": [{key: r[key] for key in mean} for r in runs]}
+
+
+def run_one(name: str, seed: int, order: int, train_size: int, args) -> dict | None:
     """One run (skipped if its results.json exists), with its validation curve and training clock; None for a run
     not done yet under --summarise-only."""
     flags = config_flags(name)
@@ -104,6 +118,8 @@ def run_one(name: str, seed: int, train_size: int, args) -> dict | None:
     steps_per_epoch = -(-train_size // batch)
     val_every = max(1, round(steps_per_epoch / args.vals_per_epoch)) if args.vals_per_epoch > 0 else None
     out_dir = run_dir(name, seed, train_size, args)
+    if order > 1:  # the draw's rows, another seed for everything else
+        out_dir = out_dir.with_name(f"seed{seed}-order{order}")
     hf_trainer = runs_hf_trainer(name)
     if (out_dir / "results.json").exists():
         results = json.loads((out_dir / "results.json").read_text())
@@ -112,7 +128,8 @@ def run_one(name: str, seed: int, train_size: int, args) -> dict | None:
     else:
         common = ["--dataset", args.dataset, "--model", args.model or default_model(), "--train-size", str(train_size),
                   "--val-size", str(args.val_size), "--test-size", str(args.test_size),
-                  "--max-length", str(args.max_length), "--epochs", str(args.epochs), "--seed", str(seed),
+                  "--max-length", str(args.max_length), "--epochs", str(args.epochs),
+                  "--seed", str(seed + 1000 * (order - 1)), *(["--data-seed", str(seed)] if order > 1 else []),
                   "--num-workers", "0", "--out-dir", str(out_dir)]
         if args.precision and not hf_trainer:  # before the configuration's flags: a configuration's own wins
             common += ["--precision", args.precision]
@@ -125,6 +142,8 @@ def run_one(name: str, seed: int, train_size: int, args) -> dict | None:
         results = run_process(cmd, out_dir)
         if "failed" in results:
             return results
+        for bulky in ("checkpoints", "model"):  # hundreds of MB a run (a study filled a disk); the study reads
+            shutil.rmtree(out_dir / bulky, ignore_errors=True)  # results.json and the logs
     if hf_trainer:  # one validation, at the end of each epoch: the curve's last point only
         curve = [(results["steps"], results["train_time_s"], results["val_acc"])]
         return results | {"curve": curve, "train_s": results["train_time_s"], "final_val_acc": results["val_acc"]}
@@ -273,6 +292,7 @@ def main(argv=None):
         setting = (f"{Path(args.dataset).name}, {train_size} train / {args.val_size} val / {args.test_size} test rows, "
                    f"length {args.max_length}, {args.epochs} epoch(s), seeds {args.seeds}"
                    + (f", --precision {args.precision}" if args.precision else "")
+                   + (f", {args.orders} orders per draw (mean)" if args.orders > 1 else "")
                    + (", final model tested" if args.vals_per_epoch == 0 and args.epochs == 1 else ""))
         by_config = {name: [] for name in names}
         draws[setting] = {}
@@ -280,7 +300,7 @@ def main(argv=None):
             if args.fingerprint:
                 draws[setting][seed] = draw_fingerprint(seed, train_size, args)
             for name in names:
-                if result := run_one(name, seed, train_size, args):
+                if result := run_draw(name, seed, train_size, args):
                     by_config[name].append(result)
         text, raw[setting] = summarise(setting, by_config, args.target)
         print(text, flush=True)

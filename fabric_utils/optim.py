@@ -47,10 +47,11 @@ def count_warmup_steps(warmup: float, max_steps: int) -> int:
     return math.ceil(warmup * max_steps) if warmup < 1 else int(warmup)
 
 
-def build_scheduler(optimizer, name: str, lr: float, max_steps: int, warmup_steps: int):
-    """Linear warm-up from 0, then linear decay to 0, half a cosine to 0, or the peak kept (``constant``, the
-    article's fixed rate after any warm-up): the schedules of transformers' ``get_scheduler``. ``one-cycle`` is
-    PyTorch's OneCycleLR with the warm-up as its rising phase."""
+def build_scheduler(optimizer, name: str, lr: float, max_steps: int, warmup_steps: int, min_lr_rate: float = 0.0):
+    """Linear warm-up from 0, then linear decay, half a cosine, or the peak kept (``constant``, the article's fixed
+    rate after any warm-up): the schedules of transformers' ``get_scheduler``. The decay ends at ``min_lr_rate`` x the
+    peak (transformers' ``cosine_with_min_lr`` name). ``one-cycle`` is PyTorch's OneCycleLR with the warm-up as its
+    rising phase."""
     if name == "one-cycle":
         return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=lr, total_steps=max_steps,
                                                    pct_start=max(warmup_steps, 1) / max_steps)
@@ -61,5 +62,5 @@ def build_scheduler(optimizer, name: str, lr: float, max_steps: int, warmup_step
     def factor(step: int) -> float:
         if step < warmup_steps:
             return step / max(1, warmup_steps)
-        return decay((step - warmup_steps) / max(1, max_steps - warmup_steps))
+        return min_lr_rate + (1.0 - min_lr_rate) * decay((step - warmup_steps) / max(1, max_steps - warmup_steps))
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

@@ -19,5 +19,6 @@ def test_hf_trainer_builds_the_templates_model_settings():
     assert own.attention_probs_dropout_prob != template.attention_dropout  # else this test could not fail
     assert model.config.attention_probs_dropout_prob == template.attention_dropout
     assert model.config.hidden_dropout_prob == own.hidden_dropout_prob  # the template keeps the model's ('model')
-    for flag in ("lr", "warmup", "scheduler", "batch_size", "weight_decay", "grad_clip", "max_length", "epochs"):
+    for flag in ("lr", "warmup", "scheduler", "min_lr_rate", "batch_size", "weight_decay", "grad_clip", "max_length",
+                 "epochs"):
         assert getattr(args, flag) == getattr(template, flag), flag

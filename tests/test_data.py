@@ -3,9 +3,12 @@
 import pandas as pd
 import pytest
 
+import task
+from data.demo import prepare_demo
 from data.sources import load_splits
 from data.tokenize import make_collator, tokenize_splits
 from fabric_utils.errors import UserError
+from train import parse_args
 
 REVIEWS = [("a great film", "pos"), ("dull and slow", "neg"), ("quite good", "pos"), ("awful", "neg"),
            ("fine acting", "neutral")] * 20
@@ -83,3 +86,22 @@ def test_collator_pads_per_batch_or_to_max_length(demo_tokenizer):
     article = make_collator(demo_tokenizer, True, 64, 8)(rows)
     assert article["input_ids"].shape == (2, 64)
     assert article["attention_mask"].sum().item() == 17
+
+
+def test_data_seed_draws_the_rows_whatever_the_seed(tmp_path):
+    """--data-seed (default --seed) draws the subsets and the carved validation rows, so runs with other --seeds
+    (batch order, head init) can train and be tested on the same rows; a resume checks it with the task's record."""
+    data, model = prepare_demo(tmp_path / "demo")
+    flags = ["--dataset", str(data), "--model", str(model), "--train-size", "40", "--val-size", "16",
+             "--test-size", "16", "--max-length", "32"]
+
+    def drawn(*seeds):
+        args = parse_args([*flags, *seeds])
+        job = task.setup(args, verbose=False)
+        return args.data_seed, job.meta["--data-seed"], {name: [row.tolist() for row in split["input_ids"]]
+                                                        for name, split in job.datasets.items()}
+
+    own = drawn("--seed", "1")
+    assert own[:2] == (1, 1)
+    assert drawn("--seed", "2", "--data-seed", "1") == own
+    assert drawn("--seed", "2")[2] != own[2]

@@ -8,14 +8,18 @@ from transformers import get_scheduler
 from fabric_utils.optim import build_optimizer, build_scheduler
 
 
-@pytest.mark.parametrize("name, theirs", [("linear", "linear"), ("cosine", "cosine"),
-                                          ("constant", "constant_with_warmup")])
+@pytest.mark.parametrize("name, theirs, min_lr_rate", [("linear", "linear", 0.0), ("cosine", "cosine", 0.0),
+                                                       ("constant", "constant_with_warmup", 0.0),
+                                                       ("cosine", "cosine_with_min_lr", 0.3),
+                                                       ("linear", "polynomial", 0.3)])
 @pytest.mark.parametrize("warmup", [0, 7])
-def test_schedules_match_transformers(name, theirs, warmup):
+def test_schedules_match_transformers(name, theirs, min_lr_rate, warmup):
     ours = build_scheduler(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=2.0), name, lr=2.0,
-                           max_steps=50, warmup_steps=warmup)
+                           max_steps=50, warmup_steps=warmup, min_lr_rate=min_lr_rate)
     reference = get_scheduler(theirs, torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=2.0),
-                              num_warmup_steps=warmup, num_training_steps=50)
+                              num_warmup_steps=warmup, num_training_steps=50,
+                              scheduler_specific_kwargs={"cosine_with_min_lr": {"min_lr_rate": min_lr_rate},
+                                                         "polynomial": {"lr_end": 2.0 * min_lr_rate}}.get(theirs))
     for _ in range(55):
         assert ours.get_last_lr() == pytest.approx(reference.get_last_lr(), abs=1e-12)
         ours.optimizer.step()
