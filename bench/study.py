@@ -104,8 +104,11 @@ def run_draw(name: str, seed: int, train_size: int, args) -> dict | None:
     """A configuration on one draw: its --orders runs, with test and final validation accuracy and training seconds
     averaged over them (each run's in "orders"); None if one is not done yet under --summarise-only."""
     runs = [run_one(name, seed, order, train_size, args) for order in range(1, args.orders + 1)]
-    if args.orders == 1 or None in runs or any("failed" in r for r in runs):
-        return None if None in runs else next((r for r in runs if "failed" in r), runs[0])
+    if None in runs:
+        return None
+    failed = next((r for r in runs if "failed" in r), None)
+    if failed or len(runs) == 1:
+        return failed or runs[0]
     mean = {key: statistics.mean(r[key] for r in runs) for key in ("test_acc", "final_val_acc", "train_s")}
     return runs[0] | mean | {"orders": [{key: r[key] for key in mean} for r in runs]}
 
@@ -117,9 +120,7 @@ def run_one(name: str, seed: int, order: int, train_size: int, args) -> dict | N
     batch = int(flag_value(flags, "--batch-size", flag_parser().get_default("batch_size")))
     steps_per_epoch = -(-train_size // batch)
     val_every = max(1, round(steps_per_epoch / args.vals_per_epoch)) if args.vals_per_epoch > 0 else None
-    out_dir = run_dir(name, seed, train_size, args)
-    if order > 1:  # the draw's rows, another seed for everything else
-        out_dir = out_dir.with_name(f"seed{seed}-order{order}")
+    out_dir = run_dir(name, seed, order, train_size, args)
     hf_trainer = runs_hf_trainer(name)
     if (out_dir / "results.json").exists():
         results = json.loads((out_dir / "results.json").read_text())
@@ -158,14 +159,16 @@ def run_precision(name: str, args) -> str:
     return flag_value(config_flags(name), "--precision", args.precision or auto_precision("auto"))
 
 
-def run_dir(name: str, seed: int, train_size: int, args) -> Path:
+def run_dir(name: str, seed: int, order: int, train_size: int, args) -> Path:
     """One folder per run, named by everything that changes it: data sizes, length, epochs, precision, evaluation
-    protocol and --extra (the article's fp32 runs are shared by an fp32 and a bf16-mixed study of the same draws)."""
+    protocol and --extra (the article's fp32 runs are shared by an fp32 and a bf16-mixed study of the same draws), the
+    draw and the order (order 1, the draw's own seed, keeps the name it had before --orders)."""
     setting = f"n{train_size}-v{args.val_size}-t{args.test_size}-L{args.max_length}-e{args.epochs}"
     setting += f"-{run_precision(name, args)}-vpe{args.vals_per_epoch}"
     if args.extra:
         setting += "-" + "_".join(args.extra.split()).replace("/", "_")
-    return Path(args.runs_dir) / Path(args.dataset).name / setting / name.replace(" ", "_") / f"seed{seed}"
+    return Path(args.runs_dir) / Path(args.dataset).name / setting / name.replace(" ", "_") / (
+        f"seed{seed}" if order == 1 else f"seed{seed}-order{order}")
 
 
 def draw_fingerprint(seed: int, train_size: int, args) -> dict:
