@@ -1,6 +1,8 @@
 """The README's recipes match the flags that exist."""
 
+import json
 import re
+import statistics
 import subprocess
 
 from conftest import REPO
@@ -104,3 +106,22 @@ def test_the_learning_rates_the_technique_table_states_are_the_tasks():
     stated = [(float(lr), float(width)) for lr, width in re.findall(r"([\d.]+e-\d+) up to (\d+)", rows["schedule"])]
     stated.append((float(re.search(r"([\d.]+e-\d+) wider", rows["schedule"]).group(1)), float("inf")))
     assert stated == [(lr, width) for width, lr in LR_BY_WIDTH]
+
+
+def test_the_speed_sections_issue_19_rows_are_the_studys_reports():
+    """Each row of the README's issue-19 table names a bench/study.py report: its accuracies (mean and worst draw)
+    and its time ratio (median draw) are recomputed from the report's per-draw numbers."""
+    default = "default+--group-by-length --min-lr-rate 0.3"  # spelled out: the study's "default" runs predate it
+    rows = [line.split("|")[2:-1] for line in (REPO / "README.md").read_text().splitlines()
+            if re.match(r"\| [^|]+ \| `bench/study_issue19_\w+\.json` \|", line)]
+    assert len(rows) >= 3
+
+    def accuracy(row: dict) -> str:
+        return f"{statistics.mean(row['test_acc']):.3f} ({min(row['test_acc']):.3f})"
+
+    for report, article_acc, default_acc, time in rows:
+        (setting,) = json.loads((REPO / report.strip(" `")).read_text())["results"].values()
+        article, ours = setting["rows"]["article"], setting["rows"][default]
+        assert [article_acc.strip(), default_acc.strip()] == [accuracy(article), accuracy(ours)], report
+        slow, fast = statistics.median(article["train_s"]), statistics.median(ours["train_s"])
+        assert time.replace("*", "").strip().startswith(f"{slow / fast:.2f}x ({slow:.0f} s / {fast:.0f} s"), report
