@@ -27,15 +27,14 @@ from task import learning_rate_for, load_model_config  # noqa: E402
 from train import flag_parser  # noqa: E402
 
 TEMPLATE = flag_parser()
-# train.py's --scheduler names as transformers' get_scheduler names (one-cycle has no Trainer peer); a linear decay
-# to --min-lr-rate x the peak is transformers' polynomial decay of power 1
-HF_SCHEDULERS = {"linear": "polynomial", "cosine": "cosine_with_min_lr", "constant": "constant_with_warmup"}
-
-
-def hf_scheduler_kwargs(scheduler: str, lr: float, min_lr_rate: float) -> dict:
-    """Where the decay ends, in the arguments of HF_SCHEDULERS' schedules."""
-    return {"linear": {"lr_end": min_lr_rate * lr, "power": 1.0}, "cosine": {"min_lr_rate": min_lr_rate}}.get(
-        scheduler, {})
+# train.py's --scheduler as transformers' get_scheduler name, and its arguments for a peak rate and --min-lr-rate
+# (where the decay ends): a linear decay to a floor is transformers' polynomial decay of power 1. one-cycle has no
+# Trainer peer
+HF_SCHEDULERS = {
+    "linear": ("polynomial", lambda lr, min_lr_rate: {"lr_end": min_lr_rate * lr, "power": 1.0}),
+    "cosine": ("cosine_with_min_lr", lambda lr, min_lr_rate: {"min_lr_rate": min_lr_rate}),
+    "constant": ("constant_with_warmup", lambda lr, min_lr_rate: {}),
+}
 
 
 def parse_args(argv=None):
@@ -95,6 +94,7 @@ def main(argv=None):
     model = build_model(args.model, data.label_names, args.attention_dropout, args.hidden_dropout)
 
     lr = args.lr or learning_rate_for(load_model_config(args.model))  # as train.py's task chooses it
+    scheduler, scheduler_kwargs = HF_SCHEDULERS[args.scheduler]
 
     def accuracy(pred):
         return {"accuracy": float((np.argmax(pred.predictions, axis=-1) == pred.label_ids).mean())}
@@ -103,9 +103,8 @@ def main(argv=None):
         output_dir=args.out_dir, use_cpu=not torch.cuda.is_available(), seed=args.seed, bf16=args.bf16,
         num_train_epochs=args.epochs, per_device_train_batch_size=args.batch_size,
         per_device_eval_batch_size=2 * args.batch_size, learning_rate=lr, weight_decay=args.weight_decay,
-        lr_scheduler_type=HF_SCHEDULERS[args.scheduler],
-        lr_scheduler_kwargs=hf_scheduler_kwargs(args.scheduler, lr, args.min_lr_rate), warmup_steps=args.warmup,
-        max_grad_norm=args.grad_clip,
+        lr_scheduler_type=scheduler, lr_scheduler_kwargs=scheduler_kwargs(lr, args.min_lr_rate),
+        warmup_steps=args.warmup, max_grad_norm=args.grad_clip,
         train_sampling_strategy="group_by_length", length_column_name="length",
         dataloader_num_workers=args.num_workers, eval_strategy="epoch", save_strategy="epoch", save_total_limit=1,
         load_best_model_at_end=True, metric_for_best_model="accuracy", logging_strategy="no", report_to="none",

@@ -1,12 +1,17 @@
-"""The benchmark scripts' own logic: the Trainer row's model settings."""
+"""The benchmark scripts' own logic: the Trainer row's model settings and schedule."""
 
 import sys
 from pathlib import Path
+
+import pytest
+import torch
+from transformers import get_scheduler
 
 from data.demo import prepare_demo
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import hf_trainer  # noqa: E402
+from fabric_utils.optim import build_scheduler  # noqa: E402
 from train import flag_parser  # noqa: E402
 
 
@@ -22,3 +27,22 @@ def test_hf_trainer_builds_the_templates_model_settings():
     for flag in ("lr", "warmup", "scheduler", "min_lr_rate", "batch_size", "weight_decay", "grad_clip", "max_length",
                  "epochs"):
         assert getattr(args, flag) == getattr(template, flag), flag
+
+
+@pytest.mark.parametrize("name", list(hf_trainer.HF_SCHEDULERS))
+def test_hf_trainer_schedules_as_train_py_does(name):
+    """The Trainer row's schedule (what its Trainer hands get_scheduler) is train.py's, step by step, at the
+    default floor."""
+    min_lr_rate, lr, warmup, steps = flag_parser().get_default("min_lr_rate"), 2.0, 3, 40
+    assert min_lr_rate > 0  # else the floor's arguments would not be checked
+    theirs, kwargs = hf_trainer.HF_SCHEDULERS[name]
+    trainer = get_scheduler(theirs, torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr),
+                            num_warmup_steps=warmup, num_training_steps=steps,
+                            scheduler_specific_kwargs=kwargs(lr, min_lr_rate))
+    ours = build_scheduler(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr), name, lr=lr,
+                           max_steps=steps, warmup_steps=warmup, min_lr_rate=min_lr_rate)
+    for _ in range(steps):
+        assert ours.get_last_lr() == pytest.approx(trainer.get_last_lr(), abs=1e-12)
+        for scheduler in (ours, trainer):
+            scheduler.optimizer.step()
+            scheduler.step()
