@@ -120,6 +120,46 @@ def test_an_interrupted_demo_write_leaves_no_folder_that_looks_done(tmp_path, mo
     assert sorted(path.name for path in tmp_path.iterdir()) == ["data", "model"]  # no temporary folder left behind
 
 
+DEMO_ON_RANK_1 = """
+import sys, torch, torch.distributed as dist
+rank, port, root = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+if rank == 1:  # rank 0 of a second node, whose cache is its own
+    from data.demo import prepare_demo
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    prepare_demo(__import__("pathlib").Path(root))
+    assert torch.equal(torch.rand(3), expected), "preparing the demo changed the global random state"
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def test_the_demo_is_written_whole_by_a_process_that_is_not_global_rank_0(tmp_path):
+    """A second node's local rank 0 prepares its node's demo cache once the process group exists (transformers'
+    save_pretrained writes only on global rank 0 then), without touching the run's random state."""
+    port = str(29700 + os.getpid() % 1000)
+    ranks = [subprocess.Popen([sys.executable, "-c", DEMO_ON_RANK_1, str(rank), port, str(tmp_path)], cwd=REPO,
+                              env={**subprocess_env(), "PYTHONPATH": str(REPO)}, stderr=subprocess.PIPE, text=True)
+             for rank in range(2)]
+    errors = [rank.communicate(timeout=300)[1] for rank in ranks]
+    assert [rank.returncode for rank in ranks] == [0, 0], errors
+    tokenizer = load_tokenizer(str(tmp_path / "model"))
+    model = build_model(str(tmp_path / "model"), LABELS, "single_label", attention_dropout=0.0, hidden_dropout=None)
+    assert tokenizer.convert_tokens_to_ids("good") != tokenizer.unk_token_id and model.config.hidden_size == 64
+
+
+def test_a_demo_folder_left_incomplete_is_replaced(tmp_path):
+    """A model folder holding only the tokenizer (what an older write on a second node left) is written again."""
+    _, model_dir = prepare_demo(tmp_path)
+    (model_dir / "model.safetensors").unlink()
+    (model_dir / "config.json").unlink()
+    _, model_dir = prepare_demo(tmp_path)
+    assert (model_dir / "config.json").exists() and (model_dir / "model.safetensors").exists()
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["data", "model"]
+
+
 def test_slurm_log_folders_exist_in_a_fresh_clone():
     """SLURM does not create the folder of --output/--error; sbatch runs from the repository root, so the folder
     must be the root or one git tracks (a fresh clone has only tracked files)."""
