@@ -32,7 +32,7 @@ from fabric_utils.loggers import finalize_loggers, make_loggers, plot_metrics, s
 from fabric_utils.optim import build_optimizer, build_scheduler, count_parameters, count_warmup_steps
 from fabric_utils.preemption import Preemption
 from fabric_utils.progress import Progress
-from fabric_utils.run_folder import (environment_report, prepare_out_dir, remove_if_unused, run_folder_lock,
+from fabric_utils.run_folder import (environment_report, locked_run_folder, prepare_out_dir, remove_if_unused,
                                      save_config)
 from fabric_utils.sharding import declare_blocks, recompute_blocks, setup_model_and_optimizer
 from fabric_utils.task_spec import TaskSpec
@@ -63,9 +63,8 @@ def setup(argv=None) -> dict:
                               grad_checkpointing=args.grad_checkpointing,
                               loggers=loggers)                                               # Fabric step 1
         launch(fabric)                                                                       # Fabric step 2
-        out_dir = Path(fabric.broadcast(str(out_dir)))  # ranks started apart in time agree on rank 0's folder
-        with run_folder_lock(fabric, out_dir):
-            return main(fabric, args, out_dir)
+        with locked_run_folder(fabric, out_dir) as run_dir:  # nodes started apart in time agree on rank 0's folder
+            return main(fabric, args, run_dir)
     finally:
         if created:  # a start that failed before writing anything leaves no folder behind
             remove_if_unused(out_dir)

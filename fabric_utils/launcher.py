@@ -89,14 +89,21 @@ def join_restarted_torchrun_workers(fabric: Fabric) -> None:
     """``torchrun --max-restarts N`` restarts every worker when one fails, but its rendezvous hands the new workers
     the first attempt's store, which still holds the addresses the dead workers published there: gloo connects to
     them and fails ("connectFullMesh ... Connection refused"). A restarted worker joins the process group under a
-    key prefix of its own attempt instead; Fabric then finds the group made and uses it."""
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    if attempt == 0 or torch.distributed.is_initialized():
+    key prefix of its own attempt instead; Fabric then finds the group made and uses it.
+
+    The attempt is counted in that store, since ``TORCHELASTIC_RESTART_COUNT`` is counted per node: a node whose
+    workers did not fail restarts them with the count unchanged, and would join under another prefix than the
+    restarted node's. Every worker adds one as it starts, so attempt k's workers count k x world size + 1 onwards."""
+    if "TORCHELASTIC_RESTART_COUNT" not in os.environ or torch.distributed.is_initialized():
         return
     store = torch.distributed.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
+    world_size = int(os.environ["WORLD_SIZE"])
+    attempt = (store.add("fabric-template/workers-started", 1) - 1) // world_size
+    if attempt == 0:
+        return
     torch.distributed.init_process_group("nccl" if fabric.device.type == "cuda" else "gloo",
                                          store=torch.distributed.PrefixStore(f"attempt-{attempt}", store),
-                                         rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+                                         rank=int(os.environ["RANK"]), world_size=world_size)
 
 
 def cli_settings() -> dict:

@@ -56,6 +56,7 @@ def _mlflow_logger(out_dir: Path, project: str, run_id: str | None):
     tracking_uri = os.environ.get("MLFLOW_TRACKING_URI")
     artifact_location = None  # a server chooses its own
     if not tracking_uri:
+        out_dir.mkdir(parents=True, exist_ok=True)  # a default run folder is made only later, as the job agrees on it
         tracking_uri = f"sqlite:///{(out_dir / 'mlflow.db').resolve()}"
         artifact_location = (out_dir / "mlartifacts").resolve().as_uri()  # else ./mlruns of the working folder
     return MLFlowLogger(experiment_name=project, run_name=out_dir.name, tracking_uri=tracking_uri,

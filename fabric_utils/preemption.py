@@ -47,11 +47,12 @@ class Preemption:
             note = "stopping at the next check with a checkpoint, then exiting 75"
         else:
             note = "training has ended, so the run finishes"
-        if rank_zero_only.rank == 0 and (signum, self.training) not in self._noted:  # once, not per signal
+        if (signum, self.training) not in self._noted:  # once, not per signal; by each rank it reached (maybe one)
             self._noted.add((signum, self.training))
             again = "; Ctrl-C again to stop at once" if signum == signal.SIGINT else ""
+            rank = f"rank {rank_zero_only.rank}: " if rank_zero_only.rank else ""
             # os.write: a print() here could land inside another print() and fail
-            os.write(2, f"{signal.Signals(signum).name}: {note}{again}\n".encode())
+            os.write(2, f"{rank}{signal.Signals(signum).name}: {note}{again}\n".encode())
 
     def agreed(self, fabric) -> bool:
         """Whether all ranks stop now, one step after a signal reached any of them. A signal may reach only some

@@ -20,25 +20,33 @@ LOCK_FILE = ".lock"
 
 
 def prepare_out_dir(out_dir: str | None, resume: str | None) -> tuple[Path, bool]:
-    """The run folder, and whether this call created it: ``--out-dir``, else a new ``runs/<time>``. The name goes
-    into the environment so processes that Fabric starts from this one pick the same folder (the loop later
-    broadcasts rank 0's choice anyway). A folder that holds a run already (its config, checkpoints or results) takes
-    only a ``--resume``: a new run there would mix its checkpoints, logs and results with the old run's."""
+    """The run folder this process proposes, and whether a failed start may remove it: ``--out-dir``, made now so a
+    bad one fails before any process starts, else a new ``runs/<time>``, made only once the job has agreed on global
+    rank 0's (``locked_run_folder``): nodes start seconds apart and would each name another. The name goes into the
+    environment, so the processes Fabric starts from this one propose the same. A folder that holds a run already
+    (its config, checkpoints or results) takes only a ``--resume``: a new run there would mix its checkpoints, logs
+    and results with the old run's."""
     if out_dir is None:
-        out_dir = os.environ.setdefault(RUN_DIR_ENV, f"runs/{datetime.now():%Y%m%d-%H%M%S}")
+        path = Path(os.environ.setdefault(RUN_DIR_ENV, f"runs/{datetime.now():%Y%m%d-%H%M%S}"))
+        check_writable(path.parent)
+        return path, True
     path = Path(out_dir)
     if resume is None and holds_a_run(path):
         raise UserError(f"--out-dir {path} holds a run already; continue it with --resume auto, or pass a new "
                         f"--out-dir")
     created = not path.exists()
+    check_writable(path)
+    return path, created
+
+
+def check_writable(folder: Path) -> None:
     try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / f".write-test-{os.getpid()}"
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".write-test-{os.getpid()}"
         probe.touch()
         probe.unlink()
     except OSError as err:
-        raise UserError(f"cannot write to output folder {path} ({err.strerror}); pass a writable --out-dir") from err
-    return path, created
+        raise UserError(f"cannot write to output folder {folder} ({err.strerror}); pass a writable --out-dir") from err
 
 
 def holds_a_run(path: Path) -> bool:
@@ -46,12 +54,15 @@ def holds_a_run(path: Path) -> bool:
 
 
 @contextlib.contextmanager
-def run_folder_lock(fabric, out_dir: Path):
-    """One run per folder: global rank 0 holds an exclusive lock on ``out_dir/.lock`` for the run's whole life, and
-    every rank gets the same answer. The operating system drops the lock with its process, so a run that was killed
-    (``kill -9``, a lost node) never blocks its own ``--resume auto``."""
+def locked_run_folder(fabric, proposed: Path):
+    """The job's one run folder, global rank 0's proposal, made and locked for the run's whole life. One run per
+    folder: rank 0 holds an exclusive lock on its ``.lock``, and every rank gets the same answer. The operating
+    system drops the lock with its process, so a run that was killed (``kill -9``, a lost node) never blocks its own
+    ``--resume auto``."""
+    out_dir = Path(fabric.broadcast(str(proposed)))
     lock, held = None, True
     if fabric.is_global_zero:
+        out_dir.mkdir(parents=True, exist_ok=True)
         lock = open(out_dir / LOCK_FILE, "a")
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -61,7 +72,7 @@ def run_folder_lock(fabric, out_dir: Path):
         raise UserError(f"another run is using --out-dir {out_dir} right now; let it finish, or pass another "
                         f"--out-dir")
     try:
-        yield
+        yield out_dir
     finally:
         if lock is not None:
             lock.close()

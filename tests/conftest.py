@@ -202,3 +202,19 @@ def kill_all(jobs: dict) -> None:
     for job in jobs.values():
         if job.proc.poll() is None:
             os.killpg(job.proc.pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """Two emulated nodes (tests/cluster.py) for a module's multi-node tests; skipped where they cannot be made."""
+    from cluster import Cluster
+
+    cluster = Cluster(tmp_path_factory.mktemp("cluster"))
+    yield cluster
+    cluster.close()
+
+
+def node_env(**variables):
+    """The environment of a node's process, with ``variables`` beside it (a callable of the node's index)."""
+    return lambda node: {**subprocess_env(), **{name: value(node) if callable(value) else value
+                                                 for name, value in variables.items()}}

@@ -1,0 +1,100 @@
+"""Two nodes for real: the README's multi-node recipes on two emulated nodes (tests/cluster.py), each ending with the
+metrics of the same world size on one node. The nodes start a second apart with cold node-local caches, as on a
+cluster, and a job without --out-dir leaves one run folder in the folder both start in.
+
+`fabric run --num-nodes 2` (1 and 2 processes per node), plain `python train.py` with NODE_RANK and MASTER_ADDR, and
+torchrun's c10d rendezvous, which restarts both nodes' workers when a worker on either node is killed."""
+
+import itertools
+import json
+import os
+import signal
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+
+from cluster import Nodes
+from conftest import REPO, Job, fabric_cli, kill_all, node_env, resumed_step
+from data.demo import prepare_demo
+from test_resilience import COMPARED, TINY
+
+TRAIN = str(REPO / "train.py")
+ports = itertools.count(29400)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def one_node_results(root: Path, world_sizes: tuple) -> dict:
+    """The same job on one node, from a warm cache: world size -> results."""
+    prepare_demo(Path.home() / ".cache" / "fabric-template" / "demo")
+    launcher = (fabric_cli(), "run", "--accelerator", "cpu")  # it starts more CPU processes than cores
+    jobs = {size: Job(root / f"ws{size}", *TINY, launcher=(*launcher, "--devices", str(size), "--main-port",
+                                                           str(free_port()))) for size in world_sizes}
+    try:
+        return {size: job.results() for size, job in jobs.items()}
+    finally:
+        kill_all(jobs)
+
+
+def assert_like_one_node(results: dict, one_node: dict) -> None:
+    assert results["world_size"] == one_node["world_size"] and results["environment"]["num_nodes"] == 2
+    assert results["steps"] == one_node["steps"]
+    assert {key: results[key] for key in COMPARED} == pytest.approx({key: one_node[key] for key in COMPARED},
+                                                                    abs=1e-4)
+
+
+@pytest.fixture(scope="module")
+def one_node(tmp_path_factory):
+    return one_node_results(tmp_path_factory.mktemp("one-node"), (2, 4))
+
+
+@pytest.mark.parametrize("per_node", [1, 2])
+def test_fabric_run_on_two_nodes_from_cold_caches_ends_like_one_node(cluster, one_node, tmp_path, per_node):
+    work = tmp_path / "work"  # where both nodes start, with no --out-dir: each proposes a runs/<time> of its own
+    work.mkdir()
+    port = str(next(ports))
+    nodes = Nodes(cluster, tmp_path, [[fabric_cli(), "run", "--accelerator", "cpu", "--devices", per_node,
+                                       "--num-nodes", "2", "--node-rank", node, "--main-address", "node1",
+                                       "--main-port", port, TRAIN, *TINY] for node in range(2)], node_env(), cwd=work)
+    assert nodes.wait() == [0, 0], nodes.output()
+    runs = list((work / "runs").iterdir())
+    assert len(runs) == 1, f"one run folder per job, not {sorted(p.name for p in runs)}"
+    assert_like_one_node(json.loads((runs[0] / "results.json").read_text()), one_node[2 * per_node])
+    output = nodes.output()
+    assert output.count("results in ") == 1, f"a line of the job printed once per node:\n{output}"
+    for node in range(2):
+        assert (cluster.home(node) / ".cache" / "fabric-template" / "demo" / "model" / "model.safetensors").exists()
+
+
+def test_python_train_py_on_each_node_with_node_rank_ends_like_one_node(cluster, one_node, tmp_path):
+    out = tmp_path / "run"
+    env = node_env(MASTER_ADDR="node1", MASTER_PORT=str(next(ports)), NODE_RANK=str)
+    nodes = Nodes(cluster, tmp_path, [[sys.executable, TRAIN, *TINY, "--num-nodes", "2", "--devices", "1",
+                                       "--out-dir", out]] * 2, env, cwd=REPO)
+    assert nodes.wait() == [0, 0], nodes.output()
+    assert_like_one_node(json.loads((out / "results.json").read_text()), one_node[2])
+
+
+@pytest.mark.parametrize("killed", [0, 1])
+def test_torchrun_on_two_nodes_restarts_after_a_worker_is_killed_and_ends_like_one_node(cluster, one_node, tmp_path,
+                                                                                        killed):
+    """kill -9 of node ``killed``'s worker: both nodes' agents restart their workers (only the killed one counts it
+    as a restart), which join one process group again and resume from the newest checkpoint."""
+    out = tmp_path / "run"
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"node1:{next(ports)}", "--rdzv-id", "job",
+                "--max-restarts", "1"]
+    nodes = Nodes(cluster, tmp_path, [[*torchrun, TRAIN, *TINY, "--num-nodes", "2", "--devices", "1", "--resume",
+                                       "auto", "--out-dir", out]] * 2, node_env(), cwd=REPO)
+    nodes.wait_for(out / "checkpoints" / "step-000010")
+    for pid in nodes.train_py(killed):
+        os.kill(pid, signal.SIGKILL)
+    assert nodes.wait(timeout=240) == [0, 0], nodes.output()
+    assert resumed_step(nodes.output()) >= 10
+    assert_like_one_node(json.loads((out / "results.json").read_text()), one_node[2])

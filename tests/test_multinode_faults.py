@@ -1,0 +1,70 @@
+"""Faults across two emulated nodes (tests/cluster.py): a lost node ends the job on the other, a signal that reaches
+one node only stops every rank with a checkpoint and the resumed job ends like an uninterrupted one, and a second
+job on another node cannot take a run folder in use."""
+
+import json
+import os
+import re
+import signal
+import sys
+import time
+
+import pytest
+
+from cluster import Nodes
+from conftest import REPO, node_env, resumed_step
+from fabric_utils.preemption import EXIT_PREEMPTED, STATUS_FILE
+from test_multinode import TRAIN, assert_like_one_node, one_node_results, ports
+from test_resilience import TINY
+
+
+def two_nodes(cluster, root, out, *flags, cold=False) -> Nodes:
+    env = node_env(MASTER_ADDR="node1", MASTER_PORT=str(next(ports)), NODE_RANK=str)
+    return Nodes(cluster, root, [[sys.executable, TRAIN, *TINY, "--num-nodes", "2", "--devices", "1", "--out-dir", out,
+                                  *flags]] * 2, env, cwd=REPO, cold=cold)
+
+
+@pytest.mark.parametrize("lost", [0, 1])
+def test_a_lost_node_ends_the_job_on_the_other(cluster, tmp_path, lost):
+    out = tmp_path / "run"
+    nodes = two_nodes(cluster, tmp_path, out)
+    nodes.wait_for(out / "checkpoints" / "step-000010")
+    killed_at = time.monotonic()
+    cluster.kill_node(lost)
+    survivor = 1 - lost
+    status = nodes.procs[survivor].wait(120)
+    assert status != 0 and time.monotonic() - killed_at < 60, nodes.output()
+    assert cluster.pids(survivor) == [], "a process of the job outlived it"
+    assert "Traceback" not in nodes.output()
+
+
+def test_a_signal_to_one_node_stops_every_rank_and_the_resumed_job_ends_like_one_node(cluster, tmp_path):
+    out = tmp_path / "run"
+    nodes = two_nodes(cluster, tmp_path, out, "--resume", "auto", cold=True)
+    nodes.wait_for(out / "checkpoints" / "step-000010")
+    for pid in nodes.train_py(1):
+        os.kill(pid, signal.SIGUSR1)
+    assert nodes.wait() == [EXIT_PREEMPTED] * 2, nodes.output()
+    assert "rank 1: SIGUSR1: stopping" in nodes.logs[1].read_text(), "the signal's rank did not say it got it"
+    stopped = int(re.match(r"preempted at step (\d+)", (out / STATUS_FILE).read_text()).group(1))
+    (tmp_path / "resumed").mkdir()
+    resumed = two_nodes(cluster, tmp_path / "resumed", out, "--resume", "auto")
+    assert resumed.wait() == [0, 0], resumed.output()
+    assert resumed_step(resumed.output()) == stopped
+    (tmp_path / "one-node").mkdir()
+    one_node = one_node_results(tmp_path / "one-node", (2,))[2]
+    assert_like_one_node(json.loads((out / "results.json").read_text()), one_node)
+
+
+def test_a_second_job_on_another_node_is_refused_the_run_folder_in_use(cluster, tmp_path):
+    out = tmp_path / "run"
+    slow = [*TINY, "--epochs", "1000"]  # still running when the second job starts
+    first = Nodes(cluster, tmp_path, [[sys.executable, TRAIN, *slow, "--devices", "1", "--out-dir", out]], node_env(),
+                  cwd=REPO)
+    first.wait_for(out / "checkpoints" / "step-000010")
+    second = cluster.run(1, [sys.executable, TRAIN, *slow, "--devices", "1", "--out-dir", out, "--resume", "auto"],
+                         node_env()(1), cwd=REPO, timeout=300)
+    assert second.returncode == 2, second.stderr[-3000:]
+    assert f"error: another run is using --out-dir {out} right now" in second.stderr
+    assert first.procs[0].poll() is None, "the first job stopped"
+    cluster.kill_node(0)
