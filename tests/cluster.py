@@ -68,7 +68,6 @@ class Cluster:
         ip("netns", "add", self.bridge)
         ip("-n", self.bridge, "link", "add", "br0", "type", "bridge")
         ip("-n", self.bridge, "link", "set", "br0", "up")
-        hosts = "127.0.0.1 localhost\n" + "".join(f"{a} {n}\n" for a, n in zip(self.addresses, self.names))
         for i, (name, namespace, address) in enumerate(zip(self.names, self.namespaces, self.addresses)):
             ip("netns", "add", namespace)
             ip("-n", self.bridge, "link", "add", f"veth{i}", "type", "veth", "peer", "name", "eth0", "netns", namespace)
@@ -78,6 +77,15 @@ class Cluster:
             ip("-n", namespace, "link", "set", "eth0", "up")
             ip("-n", namespace, "link", "set", "lo", "up")
             (self.home(i) / ".cache").mkdir(parents=True)
+        self.write_hosts()
+
+    def write_hosts(self, own_name_on_loopback=False) -> None:
+        """Each node's /etc/hosts, for the processes started from now on. ``own_name_on_loopback``: a node's own
+        hostname resolves to 127.0.1.1, as Debian's installer writes it."""
+        for name in self.names:
+            hosts = "127.0.0.1 localhost\n" + "".join(
+                f"{'127.0.1.1' if own_name_on_loopback and other == name else address} {other}\n"
+                for address, other in zip(self.addresses, self.names))
             (self.root / name / "hosts").write_text(hosts)
 
     def home(self, node: int) -> Path:
@@ -241,10 +249,10 @@ class Slurm:
 
 
 class Nodes:
-    """A job of one command per node of ``cluster``, started a second apart as on a real cluster; each node's output
-    in ``<root>/nodeN.log``. ``cold``: the nodes' own caches start empty."""
+    """A job of one command per node of ``cluster``, started ``apart`` seconds apart as on a real cluster; each node's
+    output in ``<root>/nodeN.log``. ``cold``: the nodes' own caches start empty."""
 
-    def __init__(self, cluster: Cluster, root: Path, commands: list, env, cwd: Path, cold=True):
+    def __init__(self, cluster: Cluster, root: Path, commands: list, env, cwd: Path, cold=True, apart=1.1):
         self.cluster, self.logs = cluster, [root / f"{name}.log" for name in cluster.names[:len(commands)]]
         if cold:
             for node in range(len(commands)):
@@ -252,7 +260,7 @@ class Nodes:
         self.procs = []
         for node, command in enumerate(commands):
             self.procs.append(cluster.start(node, command, env(node), self.logs[node], cwd=cwd))
-            time.sleep(1.1)  # a run folder named by the clock would differ from node to node
+            time.sleep(apart)  # a run folder named by the clock would differ from node to node
 
     def wait(self, timeout=300) -> list[int]:
         deadline = time.monotonic() + timeout

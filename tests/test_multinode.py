@@ -61,7 +61,8 @@ def test_fabric_run_on_two_nodes_from_cold_caches_ends_like_one_node(cluster, on
     port = str(next(ports))
     nodes = Nodes(cluster, tmp_path, [[fabric_cli(), "run", "--accelerator", "cpu", "--devices", per_node,
                                        "--num-nodes", "2", "--node-rank", node, "--main-address", "node1",
-                                       "--main-port", port, TRAIN, *TINY] for node in range(2)], node_env(), cwd=work)
+                                       "--main-port", port, TRAIN, *TINY] for node in range(2)], node_env(), cwd=work,
+                  apart=3)  # more than the nodes' start-up times differ by: each names runs/<time> seconds apart
     assert nodes.wait() == [0, 0], nodes.output()
     runs = list((work / "runs").iterdir())
     assert len(runs) == 1, f"one run folder per job, not {sorted(p.name for p in runs)}"

@@ -18,8 +18,8 @@ from test_multinode import TRAIN, assert_like_one_node, one_node_results, ports
 from test_resilience import TINY
 
 
-def two_nodes(cluster, root, out, *flags, cold=False) -> Nodes:
-    env = node_env(MASTER_ADDR="node1", MASTER_PORT=str(next(ports)), NODE_RANK=str)
+def two_nodes(cluster, root, out, *flags, cold=False, env=None) -> Nodes:
+    env = node_env(MASTER_ADDR="node1", MASTER_PORT=str(next(ports)), NODE_RANK=str, **(env or {}))
     return Nodes(cluster, root, [[sys.executable, TRAIN, *TINY, "--num-nodes", "2", "--devices", "1", "--out-dir", out,
                                   *flags]] * 2, env, cwd=REPO, cold=cold)
 
@@ -68,3 +68,24 @@ def test_a_second_job_on_another_node_is_refused_the_run_folder_in_use(cluster, 
     assert f"error: another run is using --out-dir {out} right now" in second.stderr
     assert first.procs[0].poll() is None, "the first job stopped"
     cluster.kill_node(0)
+
+
+def test_nodes_whose_hostname_resolves_to_loopback_need_gloo_socket_ifname(cluster, tmp_path):
+    """Debian's /etc/hosts names the machine 127.0.1.1: gloo (the preemption vote's backend, even on NCCL runs) then
+    tells the other nodes to connect there; naming the interface the nodes share, as the README says, fixes it."""
+    cluster.write_hosts(own_name_on_loopback=True)
+    try:
+        for variables, root in (({}, tmp_path / "loopback"), ({"GLOO_SOCKET_IFNAME": "eth0"}, tmp_path / "ifname")):
+            root.mkdir()
+            nodes = two_nodes(cluster, root, root / "run", "--max-steps", "2", env=variables)
+            if variables:
+                assert nodes.wait() == [0, 0], nodes.output()
+                continue
+            deadline = time.monotonic() + 120
+            while "Gloo connectFullMesh failed" not in nodes.output():
+                assert time.monotonic() < deadline, nodes.output()
+                time.sleep(0.2)
+            for node in range(2):
+                cluster.kill_node(node)
+    finally:
+        cluster.write_hosts()

@@ -3,15 +3,14 @@
 import json
 import os
 import signal
-import subprocess
 import sys
 
 import pytest
 import torch
 import yaml
 
-from conftest import (REPO, SMALL_DEMO, Job, build_fabric_from_flags, fabric_cli, kill_all, resumed_step, run,
-                      subprocess_env, train)
+from conftest import (SMALL_DEMO, Job, build_fabric_from_flags, fabric_cli, kill_all, resumed_step, run,
+                      train)
 from fabric_utils.batch_size import MAX_BATCH, find_batch_size
 from train import parse_args
 
@@ -73,21 +72,6 @@ def test_torchrun_restarts_a_killed_worker_and_the_job_ends_like_an_uninterrupte
     assert resumed_step(restarted.output()) >= 4 and resumed["steps"] == full["steps"] == 12
     compared = ("val_loss", "val_acc", "test_loss", "test_acc")
     assert {key: resumed[key] for key in compared} == pytest.approx({key: full[key] for key in compared}, abs=1e-4)
-
-
-def test_two_nodes_without_slurm(tmp_path):
-    """The README's multi-node recipe, with both "nodes" on this machine: one `fabric run` per node rank."""
-    port = str(29500 + os.getpid() % 1000)
-    nodes = [subprocess.Popen([fabric_cli(), "run", "--accelerator", "cpu", "--devices", "1", "--num-nodes", "2",
-                               "--node-rank", str(rank), "--main-address", "127.0.0.1", "--main-port", port,
-                               "train.py", *SMALL_DEMO, "--max-steps", "2", "--out-dir", str(tmp_path)],
-                              cwd=REPO, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True) for rank in range(2)]
-    outputs = [node.communicate(timeout=600)[0] for node in nodes]
-    assert [node.returncode for node in nodes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
-    results = json.loads((tmp_path / "results.json").read_text())
-    assert results["world_size"] == 2 and results["environment"]["num_nodes"] == 2
-    assert results["test_examples"] == SMALL_SIZES["test_examples"]
 
 
 def test_grad_accumulation_matches_a_larger_batch(tmp_path):
