@@ -64,6 +64,7 @@ def write_demo_model(folder: Path, seed=0) -> Path:
         torch.manual_seed(seed)
         model = BertForSequenceClassification(config)
     folder.mkdir(parents=True, exist_ok=True)
+    model.config.architectures = [type(model).__name__]  # as save_pretrained records it
     model.config.save_pretrained(folder)
     save_model(model, str(folder / "model.safetensors"))
     tokenizer.save_pretrained(folder)
