@@ -7,8 +7,8 @@
 # to resolve the packages that depend on it).
 # Usage: [TORCH_BUILD=cuda|cpu] bash scripts/wheelhouse.sh DIR [--python-version 3.11] [--platform TAG]...
 #        [extra requirement files, e.g. requirements-bench.txt]
-#        --python-version and --platform (e.g. manylinux_2_28_x86_64) name the target machine where it differs
-#        from this one (its `python3 -c "import sys; print(sys.version_info[:2])"` and `pip debug --verbose`).
+#        --python-version and --platform name the target machine where it differs from this one: its Python's X.Y,
+#        and manylinux_2_N_ARCH for glibc 2.N (its `ldd --version`) on ARCH (`uname -m`), e.g. manylinux_2_28_x86_64.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -25,6 +25,15 @@ while [ $# -gt 0 ]; do
     --python-version | --platform)
       [ $# -ge 2 ] || { echo "$1 needs a value" >&2; exit 2; }
       target+=("$1" "$2")
+      # pip matches a platform tag exactly, but a machine with glibc 2.N installs every manylinux wheel up to 2.N
+      # (manylinux2014 is 2.17, manylinux2010 2.12, manylinux1 2.5): name them all
+      if [[ $1 == --platform && $2 =~ ^manylinux_2_([0-9]+)_(.+)$ ]]; then
+        glibc=${BASH_REMATCH[1]} arch=${BASH_REMATCH[2]}
+        for ((minor = glibc - 1; minor >= 5; minor--)); do target+=(--platform "manylinux_2_${minor}_$arch"); done
+        for alias in 2014:17 2010:12 1:5; do
+          if [ "$glibc" -ge "${alias#*:}" ]; then target+=(--platform "manylinux${alias%:*}_$arch"); fi
+        done
+      fi
       shift 2 ;;
     -*) echo "unknown option $1: give --python-version X.Y, --platform TAG or requirement files" >&2; exit 2 ;;
     *) [ -f "$1" ] || { echo "no requirement file $1" >&2; exit 2; }
