@@ -33,8 +33,10 @@ def test_the_dry_run_writes_every_row_measured_or_skipped_with_a_reason(tmp_path
     assert measured["DistilBERT-shaped, bf16-mixed, --batch-size auto"]["results"]["config"]["batch_size"] > 8
     table = (tmp_path / "gpu_check.md").read_text()
     assert f"- torch: {torch.__version__}" in table and "- deepspeed: " in table
-    for row in rows:
-        line = next(line for line in table.splitlines() if line.startswith(f"| {row['name']} | {row['status']}"))
+    lines = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith("| row |")]
+    assert len(lines) == len(rows)
+    for row, line in zip(rows, lines):
+        assert line.startswith(f"| {row['name']} | {row['status']} |")
         assert row["status"] == "measured" or row["reason"] in line
 
 

@@ -165,3 +165,9 @@ def test_setup_from_a_wheelhouse_asks_no_index(tmp_path):
 def test_bad_input_gets_one_line_saying_what_to_change(script, args, message):
     result = bash([f"scripts/{script}", *args], cwd=REPO, env={**os.environ, "DRY_RUN": "1"}, check=False)
     assert result.returncode == 2 and result.stderr.strip() == message
+
+
+def test_the_readme_states_the_range_and_the_torch_setup_installs():
+    readme = (REPO / "README.md").read_text()
+    assert f"`{TORCH_RANGE}`" in readme and f"within {TORCH_RANGE}`" in readme
+    assert f"`requirements-torch.txt`'s ({TORCH_PIN}, the version CI tests)" in readme
