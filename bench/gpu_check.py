@@ -163,6 +163,7 @@ def plan(args, sizes: Sizes, work: Path) -> list[Row]:
     # the dry run's processes share two cores: no loader workers
     quiet = ["--quiet", *(["--num-workers", "0"] if args.dry_run else [])]
     one = ["--accelerator", sizes.accelerator, "--devices", "1", *quiet]
+    models = work / ("models-dry-run" if args.dry_run else "models")  # a later full run in the same --out: full sizes
     rows = []
 
     section = "one GPU: all-MiniLM-L6-v2, pretrained"
@@ -184,7 +185,7 @@ def plan(args, sizes: Sizes, work: Path) -> list[Row]:
     for shape, (config_class, config) in SHAPES.items():
         if args.dry_run:
             config = TINY[config_class]
-        folder, params = save_shape(work / "models" / shape, config_class, config)
+        folder, params = save_shape(models / shape, config_class, config)
         for name, flags, run_sizes in [("32-true", ["--precision", "32-true"], sizes.shape),
                                        ("bf16-mixed", ["--precision", "bf16-mixed"], sizes.shape),
                                        ("16-mixed", ["--precision", "16-mixed"], sizes.shape),
@@ -201,7 +202,7 @@ def plan(args, sizes: Sizes, work: Path) -> list[Row]:
         if gpus < 2:
             row.skip("needs 2 CUDA GPUs: " + ("one device has nothing to shard over" if gpus else "none here"))
         else:
-            folder, params = save_shape(work / "models" / "BERT-large-shaped", config_class, config)
+            folder, params = save_shape(models / "BERT-large-shaped", config_class, config)
             cap = 0.75 * 16 * params
             fraction = cap / torch.cuda.get_device_properties(0).total_memory
             row.flags = ["--model", str(folder), "--dataset", str(demo_data), *sizes.cap,
