@@ -28,6 +28,7 @@ import math
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -44,6 +45,7 @@ from data.demo import prepare_demo  # noqa: E402
 DEMO = Path.home() / ".cache" / "fabric-template" / "demo"
 SHIMS = {"FABRIC_TEMPLATE_DEEPSPEED_CPU": "1", "FABRIC_TEMPLATE_FP16_CPU": "1", "FABRIC_TEMPLATE_FSDP_CPU": "1"}
 FIRST_STEPS = 20  # the losses compared with 32-true's
+ROW_TIMEOUT_S = 900  # a run that hangs (a collective waiting on a dead rank) is ended and reported
 ACCURACY_TOLERANCE = 0.02  # a multi-GPU row reaches the one-GPU accuracy within this
 INIT_SCALE = 2.0**16  # torch's GradScaler starts here, halves on each skipped step and grows only after 2000 clean ones
 # the rows the dry run runs, one of each kind: the others would repeat the same code path on a CPU
@@ -103,9 +105,8 @@ class Row:
     first_losses: list = field(default_factory=list)
     ok: bool = True  # measured as expected
 
-    def skip(self, reason: str) -> "Row":
+    def skip(self, reason: str) -> None:
         self.status, self.reason = "skipped", reason
-        return self
 
 
 def environment() -> dict:
@@ -255,15 +256,24 @@ def run_row(row: Row, out: Path, env: dict) -> None:
     run = out / "runs" / f"{row.section.split(':')[0]}-{row.name}".replace(" ", "_").replace(",", "").replace("/", "")
     shutil.rmtree(run, ignore_errors=True)
     command = [sys.executable, "train.py", *row.flags, "--out-dir", str(run)]
+    log = run.parent / f"{run.name}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
-    done = subprocess.run(command, cwd=ROOT, env={**env, **row.env}, capture_output=True, text=True)
+    with open(log, "w") as output:  # its own process group: a run that hangs is ended with every rank it started
+        proc = subprocess.Popen(command, cwd=ROOT, env={**env, **row.env}, stdout=output, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            returncode = proc.wait(ROW_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            returncode = proc.wait()
     row.seconds = time.monotonic() - start
-    (run.parent / f"{run.name}.log").write_text(done.stdout + done.stderr)
-    if done.returncode != 0:
-        out_of_memory = "out of memory" in (done.stdout + done.stderr).lower()
-        row.status = "out of memory" if out_of_memory else "failed"
-        lines = [line for line in (done.stderr or done.stdout).strip().splitlines() if line.strip()]
-        row.reason = f"exit {done.returncode}: {lines[-1][:300] if lines else ''} (log: {run.name}.log)"
+    if returncode != 0:
+        text = log.read_text()
+        row.status = "out of memory" if "out of memory" in text.lower() else "failed"
+        lines = [line for line in text.splitlines() if line.strip()]
+        last = f"ran over {ROW_TIMEOUT_S} s" if row.seconds >= ROW_TIMEOUT_S else lines[-1][:300] if lines else ""
+        row.reason = f"exit {returncode}: {last} (log: runs/{log.name})"
         row.ok = row.status == row.expect
         return
     row.status, row.ok = "measured", row.expect == "finishes"

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, run
+from conftest import REPO, run, subprocess_env
 
 SECTIONS = ["one GPU: all-MiniLM-L6-v2, pretrained", "one GPU: random weights, length 512",
             "bigger than one device: memory capped below the training state", "2+ GPUs: strategies, all-MiniLM-L6-v2"]
@@ -46,3 +46,15 @@ def test_without_a_gpu_it_asks_for_one_or_the_dry_run(tmp_path):
     assert result.returncode == 2
     assert "no CUDA GPU here: run it on a GPU machine, or --dry-run" in result.stderr.splitlines()[-1]
     assert not (REPO / "gpu_check.md").exists()
+
+
+def test_a_row_that_fails_is_reported_with_its_last_line_and_its_log(tmp_path):
+    sys.path.insert(0, str(REPO / "bench"))
+    import gpu_check
+
+    row = gpu_check.Row("one GPU", "bad flag", ["--demo", "--epochs", "0"])
+    gpu_check.run_row(row, tmp_path, subprocess_env())
+    assert (row.status, row.ok) == ("failed", False)
+    assert row.reason == ("exit 2: train.py: error: argument --epochs: must be a positive integer, got 0 "
+                          "(log: runs/one_GPU-bad_flag.log)")
+    assert "usage: train.py" in (tmp_path / "runs" / "one_GPU-bad_flag.log").read_text()
