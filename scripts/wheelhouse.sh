@@ -36,7 +36,7 @@ while [ $# -gt 0 ]; do
       fi
       shift 2 ;;
     -*) echo "unknown option $1: give --python-version X.Y, --platform TAG or requirement files" >&2; exit 2 ;;
-    *) [ -f "$1" ] || { echo "no requirement file $1" >&2; exit 2; }
+    *) [ -f "$1" ] || { echo "no requirement file $1: name one that exists, e.g. requirements-bench.txt" >&2; exit 2; }
        extras+=(-r "$1")
        shift ;;
   esac

@@ -161,6 +161,8 @@ def test_setup_from_a_wheelhouse_asks_no_index(tmp_path):
     ("wheelhouse.sh", ["/tmp/wh", "--abi", "cp311"], "unknown option --abi: give --python-version X.Y, --platform TAG "
                                                      "or requirement files"),
     ("wheelhouse.sh", ["/tmp/wh", "--platform"], "--platform needs a value"),
+    ("wheelhouse.sh", ["/tmp/wh", "requirements-gpu.txt"], "no requirement file requirements-gpu.txt: name one that "
+                                                           "exists, e.g. requirements-bench.txt"),
 ])
 def test_bad_input_gets_one_line_saying_what_to_change(script, args, message):
     result = bash([f"scripts/{script}", *args], cwd=REPO, env={**os.environ, "DRY_RUN": "1"}, check=False)
