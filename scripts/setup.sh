@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
-# Creates .venv and installs the template (and pytest). torch comes as PyPI's CUDA build where an NVIDIA GPU
-# answers, else from the PyTorch CPU index: a ~200 MB wheel instead of the multi-GB CUDA build. Clusters often build
-# environments on login nodes without GPUs: there, say which build the compute nodes need with TORCH_BUILD.
-# Usage: [TORCH_BUILD=cuda|cpu|auto] bash scripts/setup.sh [extra requirement files, e.g. requirements-bench.txt]
+# Creates .venv and installs the template (and pytest) onto a torch within requirements.txt's range: one already in
+# .venv, or the one of the Python that creates it (a cluster's module or container, whose CUDA build must stay: .venv
+# then sees that Python's packages), is kept. Only where there is none does it install requirements-torch.txt's:
+# PyPI's CUDA build where an NVIDIA GPU answers, else the PyTorch CPU index's, a ~200 MB wheel instead of several GB
+# of CUDA libraries the machine can't use. Clusters often build environments on login nodes without GPUs: there, say
+# which build the compute nodes need with TORCH_BUILD. Offline, --wheelhouse DIR (or WHEELHOUSE=DIR) installs
+# everything from a folder that scripts/wheelhouse.sh filled on a machine with access.
+# Usage: [TORCH_BUILD=cuda|cpu|auto] [PYTHON=python3] bash scripts/setup.sh [--wheelhouse DIR] [extra requirement files]
 #        DRY_RUN=1 prints the commands instead of running them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,15 +21,56 @@ torch_build() {
   esac
 }
 
+# Prints the torch version this Python sees and where; exits 1 where it has none, 3 where it is outside the range.
+torch_of() {
+  "$1" - "$torch_range" <<'EOF' 2>/dev/null
+import sys
+from importlib.metadata import PackageNotFoundError, distribution
+from pip._vendor.packaging.specifiers import SpecifierSet  # pip's own version rules; every venv has pip
+try:
+    torch = distribution("torch")
+except PackageNotFoundError:
+    sys.exit(1)
+print(torch.version, torch.locate_file(""))
+sys.exit(0 if SpecifierSet(sys.argv[1].removeprefix("torch")).contains(torch.version, prereleases=True) else 3)
+EOF
+}
+
+wheelhouse=${WHEELHOUSE:-}
+if [ "${1:-}" = --wheelhouse ]; then
+  [ $# -ge 2 ] || { echo "--wheelhouse needs a folder: scripts/setup.sh --wheelhouse DIR" >&2; exit 2; }
+  wheelhouse=$2
+  shift 2
+fi
+if [ -n "$wheelhouse" ] && [ ! -d "$wheelhouse" ]; then
+  echo "the wheelhouse '$wheelhouse' is not a folder: fill one with scripts/wheelhouse.sh DIR" >&2
+  exit 2
+fi
+
 build=$(torch_build)
-run python3 -m venv .venv
+torch_range=$(grep -E '^torch[<>=]' requirements.txt)
+python=${PYTHON:-python3}
+if [ ! -e .venv/bin/python ]; then
+  venv=(-m venv .venv)
+  if torch_of "$python" >/dev/null; then venv=(-m venv --system-site-packages .venv); fi
+  run "$python" "${venv[@]}"
+fi
 pip=(.venv/bin/python -m pip install --quiet)
-torch_pin=$(grep -E '^torch==' requirements.txt)
-if [ "$build" = cuda ]; then
-  run "${pip[@]}" "$torch_pin"
+if [ -n "$wheelhouse" ]; then pip+=(--no-index --find-links "$wheelhouse"); fi
+found=$(torch_of .venv/bin/python) && status=0 || status=$?
+if [ "$status" = 0 ]; then
+  echo "keeping torch ${found% *} (${found#* }): within $torch_range"
+elif [ "$status" = 3 ]; then
+  echo "torch ${found% *} (${found#* }) is outside $torch_range: upgrade it, or remove .venv for a fresh install" >&2
+  exit 2
 else
-  # torch alone (--no-deps), so only torch is looked up on the extra index; its dependencies come from PyPI next
-  run "${pip[@]}" --retries 1 --no-deps --extra-index-url https://download.pytorch.org/whl/cpu "$torch_pin"
+  torch_pin=$(grep -E '^torch==' requirements-torch.txt)
+  if [ -n "$wheelhouse" ] || [ "$build" = cuda ]; then
+    run "${pip[@]}" "$torch_pin"
+  else
+    # torch alone (--no-deps), so only torch is looked up on the extra index; its dependencies come from PyPI next
+    run "${pip[@]}" --retries 1 --no-deps --extra-index-url https://download.pytorch.org/whl/cpu "$torch_pin"
+  fi
 fi
 run "${pip[@]}" -r requirements-dev.txt
 for extra in "$@"; do run "${pip[@]}" -r "$extra"; done

