@@ -140,9 +140,9 @@ def setup(args: argparse.Namespace, verbose: bool) -> TaskSpec:
 
 
 def quiet_libraries(bars: bool, logs: bool) -> None:
-    """Progress bars of datasets and transformers only where wanted (``bars``), and transformers' warnings only
-    with ``logs`` (--verbose): its load report lists the fresh classification head as missing, as fine-tuning
-    expects."""
+    """Progress bars of datasets and transformers only where wanted (``bars``), and their logs only with ``logs``
+    (--verbose): transformers' load report lists the fresh classification head as missing, as fine-tuning expects,
+    and datasets logs a file it cannot read before raising the error that stops the run in one line."""
     import datasets
     import transformers
 
@@ -151,6 +151,7 @@ def quiet_libraries(bars: bool, logs: bool) -> None:
         transformers.utils.logging.disable_progress_bar()
     if not logs:
         transformers.utils.logging.set_verbosity_error()
+        datasets.utils.logging.set_verbosity(datasets.utils.logging.CRITICAL)
 
 
 # ---- data ------------------------------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import time
+import warnings
 from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
@@ -142,7 +143,9 @@ def build_fabric(accelerator=None, devices=None, num_nodes=None, strategy=None, 
         strategy = build_strategy(settings, grad_checkpointing)
         if not isinstance(strategy, str):  # Fabric would take `fabric run`'s LT_STRATEGY (in settings) over it
             os.environ.pop("LT_STRATEGY", None)
-        fabric = Fabric(**{**settings, "strategy": strategy}, **fabric_kwargs)
+        with warnings.catch_warnings():  # check_precision_supported makes this swap an error, in one line
+            warnings.filterwarnings("ignore", message=".*AMP with fp16 is not supported on CPU")
+            fabric = Fabric(**{**settings, "strategy": strategy}, **fabric_kwargs)
     except (ValueError, RuntimeError, TypeError, MisconfigurationException) as err:
         raise UserError(f"cannot launch with {settings}: {str(err).splitlines()[0]}") from err
     check_precision_supported(settings["precision"], fabric.strategy.precision.precision, fabric.device)
