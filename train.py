@@ -22,13 +22,12 @@ def flag_parser():
     return parser
 
 
-@exit_on_user_error
 def parse_args(argv=None):
     return parse_flags(flag_parser(), argv, presets=getattr(task, "PRESETS", {}))
 
 
 if __name__ == "__main__":
-    parse_args()  # --help and a bad flag answer here, before the libraries below load (seconds)
+    exit_on_user_error(parse_args)()  # --help and a bad flag answer here, before the libraries below load (seconds)
 
 import functools  # noqa: E402
 import json  # noqa: E402
