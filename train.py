@@ -157,10 +157,12 @@ def header(fabric, args, job: TaskSpec, max_steps: int, steps_per_epoch: int, ou
     nodes = getattr(fabric.strategy, "num_nodes", 1)
     return "\n".join([
         f"data      {splits} rows",
-        f"training  {max_steps:,} optimizer steps ({max_steps / steps_per_epoch:.3g} epochs of {steps_per_epoch:,}), "
+        f"training  {max_steps:,} optimizer steps ({max_steps / steps_per_epoch:.3g} "
+        f"epoch{'s' * (max_steps != steps_per_epoch)} of {steps_per_epoch:,}), "
         f"{args.batch_size * fabric.world_size * args.grad_accum:,} rows each ({args.batch_size} per device x "
-        f"{fabric.world_size} devices x {args.grad_accum} accumulated)",
-        f"launch    {fabric.world_size} {fabric.device.type} processes" + (f" on {nodes} nodes" if nodes > 1 else "")
+        f"{fabric.world_size} device{'s' * (fabric.world_size > 1)} x --grad-accum {args.grad_accum})",
+        f"launch    {fabric.world_size} {fabric.device.type} process{'es' * (fabric.world_size > 1)}"
+        + (f" on {nodes} nodes" if nodes > 1 else "")
         + f", {type(fabric.strategy).__name__}, precision {fabric.strategy.precision.precision}",
         f"run       {out_dir} (environment.json there: versions and hardware)"])
 
