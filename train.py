@@ -27,34 +27,35 @@ def parse_args(argv=None):
 
 
 if __name__ == "__main__":
-    exit_on_user_error(parse_args)()  # --help and a bad flag answer here, before the libraries below load (seconds)
+    # --help and a bad flag answer here, before the libraries imported below load (seconds)
+    exit_on_user_error(parse_args)()
 
-import functools  # noqa: E402
-import json  # noqa: E402
-import math  # noqa: E402
-from pathlib import Path  # noqa: E402
+import functools
+import json
+import math
+from pathlib import Path
 
-import torch  # noqa: E402
-from torchmetrics import MeanMetric, SumMetric  # noqa: E402
+import torch
+from torchmetrics import MeanMetric, SumMetric
 
-from fabric_utils.batch_size import find_batch_size  # noqa: E402
-from fabric_utils.checkpoint import (agreed_resume_checkpoint, load_checkpoint, load_weights,  # noqa: E402
+from fabric_utils.batch_size import find_batch_size
+from fabric_utils.checkpoint import (agreed_resume_checkpoint, load_checkpoint, load_weights,
                                      read_record, save_checkpoint)
-from fabric_utils.export import export_model  # noqa: E402
-from fabric_utils.launcher import (build_fabric, clips_in_loop, explain_lost_peers, launch,  # noqa: E402
+from fabric_utils.export import export_model
+from fabric_utils.launcher import (build_fabric, clips_in_loop, explain_lost_peers, launch,
                                    offloads_optimizer, scales_loss, strategy_checkpoints_blocks,
                                    warn_if_updates_vanish)
-from fabric_utils.loaders import make_dataloaders  # noqa: E402
-from fabric_utils.loggers import (finalize_loggers, make_loggers, plot_metrics, save_tracker_ids,  # noqa: E402
+from fabric_utils.loaders import make_dataloaders
+from fabric_utils.loggers import (finalize_loggers, make_loggers, plot_metrics, save_tracker_ids,
                                   saved_tracker_ids)
-from fabric_utils.optim import build_optimizer, build_scheduler, count_parameters, count_warmup_steps  # noqa: E402
-from fabric_utils.preemption import STATUS_FILE, Preemption  # noqa: E402
-from fabric_utils.progress import Progress, say, shows_bars, silence_libraries  # noqa: E402
-from fabric_utils.run_folder import (environment_report, prepare_out_dir, remove_if_unused,  # noqa: E402
+from fabric_utils.optim import build_optimizer, build_scheduler, count_parameters, count_warmup_steps
+from fabric_utils.preemption import STATUS_FILE, Preemption
+from fabric_utils.progress import Progress, say, shows_bars, silence_libraries
+from fabric_utils.run_folder import (environment_report, prepare_out_dir, remove_if_unused,
                                      run_folder_lock, save_config, write_predictions)
-from fabric_utils.sharding import declare_blocks, recompute_blocks, setup_model_and_optimizer  # noqa: E402
-from fabric_utils.task_spec import TaskSpec  # noqa: E402
-from fabric_utils.speed import (Throughput, compile_model, configure_backends, default_num_workers,  # noqa: E402
+from fabric_utils.sharding import declare_blocks, recompute_blocks, setup_model_and_optimizer
+from fabric_utils.task_spec import TaskSpec
+from fabric_utils.speed import (Throughput, compile_model, configure_backends, default_num_workers,
                                 peak_memory_per_rank, training_flops_fn, warm_up)
 
 
