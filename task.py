@@ -141,16 +141,17 @@ def setup(args: argparse.Namespace, verbose: bool) -> TaskSpec:
 
 
 def quiet_libraries(bars: bool, logs: bool) -> None:
-    """Progress bars of datasets and transformers only where wanted (``bars``), and their logs only with ``logs``
-    (--verbose): transformers' load report lists the fresh classification head as missing, as fine-tuning expects,
-    and datasets logs a file it cannot read before raising the error that stops the run in one line."""
+    """datasets' progress bars (tokenizing a large dataset takes a while) only where wanted (``bars``); transformers'
+    bars (loading and writing a model: a blink) and both libraries' logs only with ``logs`` (--verbose):
+    transformers' load report lists the fresh classification head as missing, as fine-tuning expects, and datasets
+    logs a file it cannot read before raising the error that stops the run in one line."""
     import datasets
     import transformers
 
     if not bars:
         datasets.disable_progress_bars()
-        transformers.utils.logging.disable_progress_bar()
     if not logs:
+        transformers.utils.logging.disable_progress_bar()
         transformers.utils.logging.set_verbosity_error()
         datasets.utils.logging.set_verbosity(datasets.utils.logging.CRITICAL)
 

@@ -56,9 +56,9 @@ class Progress:
         self.total, self.steps_per_epoch, self.rows_per_step = total_steps, steps_per_epoch or total_steps, rows_per_step
         self.start_step, self.start_time = start_step, time.monotonic()
         self.bar = None
-        if self.enabled and sys.stderr.isatty():
+        if self.enabled and sys.stdout.isatty():  # where the log lines would go: a log file gets lines
             from tqdm import tqdm
-            self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True)
+            self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True, file=sys.stdout)
 
     def update(self, loss: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor) -> None:
         loss = loss.detach().float()
