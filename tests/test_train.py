@@ -209,3 +209,15 @@ def test_early_stop_ends_the_run_and_still_tests_the_best_model(tmp_path):
     assert accuracies[-1] <= max(accuracies[:-1]) and accuracies[-2] <= max(accuracies[:-2])  # two without a gain
     assert results["val_acc"] == max(accuracies)  # the best model is the one tested and exported
     assert (tmp_path / "model" / "config.json").exists()
+
+
+def test_a_line_is_printed_once_per_job_not_once_per_node(monkeypatch, capsys):
+    """Global rank 2 of 2 nodes of 2 processes is its node's first process, where fabric.print prints too."""
+    from lightning.fabric.utilities.rank_zero import rank_zero_only
+
+    from fabric_utils.progress import say
+
+    for rank, line in ((2, "on the second node"), (1, "on rank 1"), (0, "on rank 0")):
+        monkeypatch.setattr(rank_zero_only, "rank", rank)
+        say(line)
+    assert capsys.readouterr().out == "on rank 0\n"
