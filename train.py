@@ -137,7 +137,7 @@ def main(fabric, args, out_dir: Path) -> dict:
     save_config(fabric, args, out_dir, resumed_at=state["step"] if resume_from else None, environment=env)
     save_tracker_ids(fabric, out_dir)  # starts the tracked runs (MLflow, W&B) and keeps their ids for a resume
     if not args.quiet:
-        say(header(fabric, args, job, max_steps, steps_per_epoch, out_dir))
+        say(header(fabric, args, job, max_steps, steps_per_epoch, meta[ROWS_PER_STEP], out_dir))
 
     if fit(fabric, args, state, loaders=loaders, preemption=preemption, ckpt_dir=out_dir / "checkpoints",
            max_steps=max_steps, steps_per_epoch=steps_per_epoch, flops_of=flops_of, job=job):
@@ -152,7 +152,8 @@ def main(fabric, args, out_dir: Path) -> dict:
     return results
 
 
-def header(fabric, args, job: TaskSpec, max_steps: int, steps_per_epoch: int, out_dir: Path) -> str:
+def header(fabric, args, job: TaskSpec, max_steps: int, steps_per_epoch: int, rows_per_step: int,
+           out_dir: Path) -> str:
     """What the run is about to do, in four lines."""
     splits = ", ".join(f"{len(rows):,} {name}" for name, rows in job.datasets.items())
     nodes = getattr(fabric.strategy, "num_nodes", 1)
@@ -160,7 +161,7 @@ def header(fabric, args, job: TaskSpec, max_steps: int, steps_per_epoch: int, ou
         f"data      {splits} rows",
         f"training  {max_steps:,} optimizer steps ({max_steps / steps_per_epoch:.3g} "
         f"epoch{'s' * (max_steps != steps_per_epoch)} of {steps_per_epoch:,}), "
-        f"{args.batch_size * fabric.world_size * args.grad_accum:,} rows each ({args.batch_size} per device x "
+        f"{rows_per_step:,} rows each ({args.batch_size} per device x "
         f"{fabric.world_size} device{'s' * (fabric.world_size > 1)} x --grad-accum {args.grad_accum})",
         f"launch    {fabric.world_size} {fabric.device.type} process{'es' * (fabric.world_size > 1)}"
         + (f" on {nodes} nodes" if nodes > 1 else "")
@@ -228,8 +229,9 @@ def fit(fabric, args, state, loaders, preemption, ckpt_dir, max_steps, steps_per
     """Trains until ``max_steps``, early stopping or preemption; returns whether it was preempted."""
     model, optimizer, scheduler, train_loader = state["model"], state["optimizer"], state["scheduler"], loaders["train"]
     objective = job.objective
-    progress = Progress(fabric, max_steps, args.quiet, metrics=objective.make_metrics(), steps_per_epoch=steps_per_epoch,
-                        rows_per_step=args.batch_size * fabric.world_size * args.grad_accum, start_step=state["step"])
+    progress = Progress(fabric, max_steps, args.quiet, metrics=objective.make_metrics(),
+                        steps_per_epoch=steps_per_epoch, rows_per_step=state["meta"][ROWS_PER_STEP],
+                        start_step=state["step"])
     monitor = Throughput(fabric, args.peak_tflops, flops_of, sized=job.row_sizes is not None)
     if args.compile:
         warm_up(fabric, model, optimizer, batch=next(iter(train_loader)),

@@ -105,7 +105,8 @@ def fabric_run_settings(flags: dict) -> dict:
     reads its options even after the script's name, and takes the last), is a ``UserError`` saying which to remove."""
     if not launched_by_cli():
         return {}
-    settings = {name: os.environ[f"LT_{name.upper()}"] for name in LAUNCH_SETTINGS if f"LT_{name.upper()}" in os.environ}
+    settings = {name: os.environ[f"LT_{name.upper()}"] for name in LAUNCH_SETTINGS
+                if f"LT_{name.upper()}" in os.environ}
     given = _fabric_run_options()
     for name, value in settings.items():
         flag = "--" + name.replace("_", "-")

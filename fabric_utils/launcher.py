@@ -1,8 +1,8 @@
 """Map command-line flags to a ``lightning.Fabric``: accelerator, devices, num_nodes, strategy, precision.
 
-Every strategy Fabric knows (``ddp``, ``fsdp``, ``deepspeed_stage_2_offload``, ...) works as a flag (``fabric_utils.args``
-lists them), except those that spawn or fork a function (``ddp_spawn``, ``ddp_fork``, ``ddp_notebook``, ``xla``,
-``xla_fsdp``). Under ``fabric run`` the CLI's settings arrive as ``LT_*``
+Every strategy Fabric knows (``ddp``, ``fsdp``, ``deepspeed_stage_2_offload``, ...) works as a flag
+(``fabric_utils.args`` lists them), except those that spawn or fork a function (``ddp_spawn``, ``ddp_fork``,
+``ddp_notebook``, ``xla``, ``xla_fsdp``). Under ``fabric run`` the CLI's settings arrive as ``LT_*``
 environment variables and win; giving the same setting to both ``fabric run`` and ``train.py`` with different
 values stops with a message that says which to remove.
 """

@@ -53,7 +53,8 @@ class Progress:
         self.loss_sum, self.rows = torch.zeros((), device=fabric.device), torch.zeros((), device=fabric.device)
         self.skips_overflow = fabric.strategy.precision.precision == "16-mixed"
         self.enabled = fabric.is_global_zero and not quiet
-        self.total, self.steps_per_epoch, self.rows_per_step = total_steps, steps_per_epoch or total_steps, rows_per_step
+        self.total, self.rows_per_step = total_steps, rows_per_step
+        self.steps_per_epoch = steps_per_epoch or total_steps
         self.start_step, self.start_time = start_step, time.monotonic()
         self.bar = None
         if self.enabled and sys.stdout.isatty():  # where the log lines would go: a log file gets lines

@@ -12,9 +12,9 @@ A task module provides:
   infrastructure tests (``tests/infra``) train whatever ``task.py`` is with them.
 - ``setup(args, verbose) -> TaskSpec``: built from the parsed flags, whole. It runs on every rank, local rank 0 of
   each node first, so it may cache what it prepares (tokenization, downloads) for the others to read. ``verbose``
-  (progress bars wanted) is false on every rank but the first, under ``--quiet``, and in a log unless ``--verbose``. It may fill in a loop flag whose default it set to
-  None in ``add_args`` from what it loads (a learning rate for the model's size): the loop reads it after ``setup``,
-  and ``config.yaml`` records the value.
+  (progress bars wanted) is false on every rank but the first, under ``--quiet``, and in a log unless ``--verbose``.
+  It may fill in a loop flag whose default it set to None in ``add_args`` from what it loads (a learning rate for
+  the model's size): the loop reads it after ``setup``, and ``config.yaml`` records the value.
 
 A model built by ``TaskSpec.build_model`` must take a batch through ``objective.forward`` and give outputs that
 ``objective.loss`` and the metrics take; batches are dicts of tensors, rows first, with the targets under

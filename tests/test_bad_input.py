@@ -334,8 +334,8 @@ def test_a_setting_fabric_run_took_twice_is_said(tmp_path):
     --devices 1` ran one process without a word. Its processes have started when the script can tell, so torchrun's
     own report of a failed worker follows the line."""
     out, port = tmp_path / "run", str(29500 + os.getpid() % 1000)  # not torchrun's default: other jobs may hold it
-    done = run_job([fabric_cli(), "run", "--main-port", port, "--accelerator", "cpu", "--devices", "2", "train.py", "--demo", *QUICK,
-                    "--out-dir", str(out), "--devices", "1"], out)
+    done = run_job([fabric_cli(), "run", "--main-port", port, "--accelerator", "cpu", "--devices", "2", "train.py",
+                    "--demo", *QUICK, "--out-dir", str(out), "--devices", "1"], out)
     assert done.returncode != 0
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert errors == ["error: --devices is given to `fabric run` twice (2 and 1), and it took the last (1) even if it "
