@@ -6,7 +6,6 @@ import lightning.fabric.fabric
 import pytest
 import torch
 from lightning.fabric import Fabric
-from lightning.fabric.accelerators import CPUAccelerator
 from lightning.fabric.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
 from lightning.fabric.strategies import (STRATEGY_REGISTRY, DDPStrategy, DeepSpeedStrategy, FSDPStrategy,
                                          ModelParallelStrategy)
@@ -79,9 +78,7 @@ def test_devices_accepts_what_fabric_accepts(devices):
     ("deepspeed_stage_3", DeepSpeedStrategy, {"stage": 3, "offload_optimizer": False}),
     ("deepspeed_stage_3_offload", DeepSpeedStrategy, {"stage": 3, "offload_optimizer": True}),
 ])
-def test_strategy_flags_build_the_strategy(monkeypatch, name, cls, expected):
-    # DeepSpeed's config is built on this CPU as the tests' shim lets it run (Fabric accepts only CUDA for it)
-    monkeypatch.setattr(launcher.fabric_deepspeed, "CUDAAccelerator", CPUAccelerator)
+def test_strategy_flags_build_the_strategy(deepspeed_accepts_cpu, name, cls, expected):
     fabric = fabric_for("--accelerator", "cpu", "--devices", "2", "--strategy", name, "--precision", "32-true",
                         "--grad-clip", "0.5")
     assert type(fabric.strategy) is cls
