@@ -9,26 +9,19 @@ To train something else, replace this file; `train.py` and `fabric_utils/` only 
   collate function, the model builder (all of it, or LoRA adapters on a frozen model), the `Objective` (forward,
   loss and metrics by problem type: single-label, multi-label, regression), the export (a Hugging Face folder that
   `from_pretrained` loads), and each row's tokens (length grouping, tokens/s, MFU)
+
+The libraries (torch, transformers, datasets) are imported inside the functions that use them, so that `--help` and
+a bad flag answer before they load (seconds).
 """
+
+from __future__ import annotations  # types are only named, never needed before the libraries load
 
 import argparse
 import copy
 from dataclasses import dataclass
 from pathlib import Path
 
-import datasets
-import torch
-import torch.nn.functional as F
-import transformers
-from torchmetrics import MetricCollection
-from torchmetrics.classification import MulticlassAccuracy, MultilabelExactMatch, MultilabelF1Score
-from torchmetrics.regression import MeanSquaredError, PearsonCorrCoef
-from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
-
-from data.demo import prepare_demo
-from data.labels import PROBLEM_TYPES
-from data.sources import load_splits
-from data.tokenize import make_collator, tokenize_splits
+from data import PROBLEM_TYPES
 from fabric_utils.args import dropout, non_negative_int, positive_float, positive_int, probability
 from fabric_utils.errors import UserError
 from fabric_utils.task_spec import TaskSpec
@@ -39,8 +32,9 @@ from fabric_utils.task_spec import TaskSpec
 # 66-125M): 5e-5, the article's rate for DistilBERT (~93% on IMDB) and the top of the BERT paper's fine-tuning grid
 # (5e-5, 3e-5, 2e-5). Wider (large, 1024+): 2e-5, inside that grid and RoBERTa-large's (1e-5 to 3e-5)
 LR_BY_WIDTH = ((384, 1.5e-4), (768, 5e-5), (float("inf"), 2e-5))
-# the demo's tiny model starts from random weights: it needs a far larger learning rate than fine-tuning
-DEMO_DEFAULTS = {"lr": 2e-3}
+# the demo's tiny model starts from random weights: it needs a far larger learning rate than fine-tuning. One epoch
+# (200 steps) reaches test accuracy 0.99+, so the demo takes about a minute
+DEMO_DEFAULTS = {"lr": 2e-3, "epochs": 1}
 # LoRA trains a few small matrices, B from zero: it needs a far larger rate than full fine-tuning (bench/RESULTS.md)
 LORA_DEFAULTS = {"lr": 5e-3}
 PRESETS = {"demo": DEMO_DEFAULTS, "lora_r": LORA_DEFAULTS}
@@ -108,9 +102,13 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 def setup(args: argparse.Namespace, verbose: bool) -> TaskSpec:
     """The job for these flags: checked, tokenized splits, the model builder, objective and export."""
-    quiet_libraries(not verbose)
+    quiet_libraries(bars=verbose, logs=args.verbose)
     args.data_seed = args.seed if args.data_seed is None else args.data_seed  # config.yaml records the draw
-    data = load_data(dataset=args.dataset, model=args.model, demo=args.demo, text_column=args.text_column,
+    if args.demo:  # config.yaml and results.json record the data and model it trains
+        from data.demo import prepare_demo
+
+        args.dataset, args.model = map(str, prepare_demo(DEMO_ROOT))
+    data = load_data(dataset=args.dataset, model=args.model, text_column=args.text_column,
                      label_column=args.label_column, max_length=args.max_length, seed=args.data_seed,
                      train_size=args.train_size, val_size=args.val_size, test_size=args.test_size,
                      problem_type=args.problem_type, label_separator=args.label_separator,
@@ -119,6 +117,7 @@ def setup(args: argparse.Namespace, verbose: bool) -> TaskSpec:
     if args.lr is None:  # and the learning rate chosen for the model
         args.lr = learning_rate_for(load_model_config(data.model_source))
     objective = Objective(data.problem_type, num_labels=len(data.label_names))
+    from data.tokenize import make_collator
 
     def build() -> torch.nn.Module:
         return build_model(data.model_source, data.label_names, data.problem_type,
@@ -142,11 +141,20 @@ def setup(args: argparse.Namespace, verbose: bool) -> TaskSpec:
         max_size=args.max_length, notes=data.notes)
 
 
-def quiet_libraries(quiet: bool) -> None:
-    """Progress bars of datasets and transformers only where wanted (rank 0, without --quiet)."""
-    if quiet:
+def quiet_libraries(bars: bool, logs: bool) -> None:
+    """datasets' progress bars (tokenizing a large dataset takes a while) only where wanted (``bars``); transformers'
+    bars (loading and writing a model: a blink) and both libraries' logs only with ``logs`` (--verbose):
+    transformers' load report lists the fresh classification head as missing, as fine-tuning expects, and datasets
+    logs a file it cannot read before raising the error that stops the run in one line."""
+    import datasets
+    import transformers
+
+    if not bars:
         datasets.disable_progress_bars()
+    if not logs:
         transformers.utils.logging.disable_progress_bar()
+        transformers.utils.logging.set_verbosity_error()
+        datasets.utils.logging.set_verbosity(datasets.utils.logging.CRITICAL)
 
 
 # ---- data ------------------------------------------------------------------------------------------------------------
@@ -160,14 +168,15 @@ class TaskData:
     notes: list[str]  # what the loading did that a user should know (rows --drop-invalid left out)
 
 
-def load_data(dataset: str, model: str, demo: bool, text_column: str, label_column: str, max_length: int,
+def load_data(dataset: str, model: str, text_column: str, label_column: str, max_length: int,
               seed: int, train_size=None, val_size=None, test_size=None, problem_type="auto", label_separator=None,
               drop_invalid=False, text_pair_column=None) -> TaskData:
     """Rows -> checked, labelled, tokenized splits (tokenization is cached by the data's fingerprint, the tokenizer,
     the text columns and max_length). Bad rows stop the run with a UserError naming them, or are dropped with
     ``drop_invalid``. With ``text_pair_column`` each row is a sentence pair."""
-    if demo:
-        dataset, model = map(str, prepare_demo(DEMO_ROOT))
+    from data.sources import load_splits
+    from data.tokenize import tokenize_splits
+
     data = load_splits(dataset, text_column, label_column, seed, train_size, val_size, test_size,
                        problem_type=problem_type, label_separator=label_separator, drop_invalid=drop_invalid,
                        text_pair_column=text_pair_column)
@@ -182,6 +191,8 @@ def _check_source(source: str) -> None:
 
 
 def load_tokenizer(source: str):
+    from transformers import AutoTokenizer
+
     _check_source(source)
     try:
         return AutoTokenizer.from_pretrained(source, use_fast=True, trust_remote_code=False)
@@ -196,6 +207,8 @@ HF_PROBLEM_TYPES = {"single_label": "single_label_classification", "multi_label"
 
 
 def load_model_config(source: str):
+    from transformers import AutoConfig
+
     _check_source(source)
     try:
         return AutoConfig.from_pretrained(source, trust_remote_code=False)
@@ -219,6 +232,8 @@ def build_model(source: str, label_names: list[str], problem_type: str, attentio
     number). A dropout of None keeps the model's own. ``lora_r`` > 0 freezes it and adds LoRA adapters
     (``add_lora``). The weights keep the dtype the folder holds (transformers memory-maps its safetensors file): the
     loop makes them fp32, under fsdp2 once each rank holds only its shards, so no rank converts the whole."""
+    from transformers import AutoModelForSequenceClassification
+
     config = load_model_config(source)
     trained_labels = list(config.id2label.values()) if config.architectures and any(
         a.endswith("ForSequenceClassification") for a in config.architectures) else None
@@ -246,6 +261,7 @@ def add_lora(model, r: int, alpha: float, dropout: float, target_modules: list[s
     named ``target_modules`` (default: peft's per-architecture choice). peft's sequence-classification task keeps
     the head trainable: every module whose name ends in "classifier" or "score" (DistilBERT's pre_classifier too).
     peft is imported only here: it adds a second to every start."""
+    import torch
     from peft import LoraConfig, TaskType, get_peft_model
     from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as PEFT_TARGETS
 
@@ -291,6 +307,8 @@ class Objective:
 
     def loss(self, logits: torch.Tensor, batch: dict, reduction: str = "mean") -> torch.Tensor:
         """One loss per row with ``reduction="none"`` (evaluation averages rows exactly), else their mean."""
+        import torch.nn.functional as F
+
         logits, labels = logits.float(), batch["labels"]
         if self.problem_type == "single_label":
             return F.cross_entropy(logits, labels, reduction=reduction)
@@ -302,6 +320,10 @@ class Objective:
     def make_metrics(self) -> MetricCollection:
         """Updated on the device every batch, read (and summed over ranks) only by ``compute()``. ``validate_args``
         off: its checks read values back to the host on every update."""
+        from torchmetrics import MetricCollection
+        from torchmetrics.classification import MulticlassAccuracy, MultilabelExactMatch, MultilabelF1Score
+        from torchmetrics.regression import MeanSquaredError, PearsonCorrCoef
+
         k = self.num_labels
         return MetricCollection({
             "single_label": lambda: {"acc": MulticlassAccuracy(k, average="micro", validate_args=False)},
@@ -313,12 +335,27 @@ class Objective:
     def is_better(self, value: float, best: float | None) -> bool:
         return best is None or (value > best if self.higher_is_better else value < best)
 
+    def predict(self, logits: torch.Tensor, batch: dict) -> dict[str, torch.Tensor]:
+        """Each row's label, prediction and score, as the metrics see them: the class of the largest logit and its
+        probability (single_label); each label of probability above 0.5, and each one's probability
+        (multi_label); the predicted value (regression)."""
+        labels, logits = batch["labels"], logits.float()
+        if self.problem_type == "single_label":
+            score, predicted = logits.softmax(dim=-1).max(dim=-1)
+            return {"label": labels, "predicted": predicted, "score": score}
+        if self.problem_type == "multi_label":
+            score = logits.sigmoid()
+            return {"label": labels.int(), "predicted": (score > 0.5).int(), "score": score}
+        return {"label": labels, "predicted": logits}
+
     def step_loss(self, model, batch: dict) -> torch.Tensor:
         return self.loss(self.forward(model, batch), batch)
 
     def dummy_batch(self, rows: int, length: int, vocab_size: int, device) -> dict:
         """Rows of ``length`` random tokens, no padding (so no attention mask: also what a meta-device model needs),
         and labels of the right kind: for FLOP counting and the batch-size finder."""
+        import torch
+
         labels = {"single_label": lambda: torch.zeros(rows, dtype=torch.long, device=device),
                   "multi_label": lambda: torch.zeros(rows, self.num_labels, device=device),
                   "regression": lambda: torch.zeros(rows, device=device)}[self.problem_type]()
@@ -335,6 +372,8 @@ def export(state_dict: dict, trained, tokenizer, out: Path) -> None:
     """Writes a Hugging Face folder (weights, config with label names, tokenizer) into ``out``: ``state_dict`` into
     a fresh copy of the ``trained`` model's architecture (its own weights may be sharded). LoRA adapters are merged
     into the weights they adapt, so the folder loads with plain ``from_pretrained``, without peft."""
+    from transformers import AutoModelForSequenceClassification
+
     model = AutoModelForSequenceClassification.from_config(trained.config)
     lora = getattr(trained, "peft_config", None)  # set on a peft model
     if lora:

@@ -10,34 +10,9 @@ setup() -> main() -> fit() -> validate() -> finish(). What makes the job this jo
 a `TaskSpec` (fabric_utils/task_spec.py); replacing task.py is all another job needs.
 """
 
-import functools
-import json
-import math
-from pathlib import Path
-
-import torch
-from torchmetrics import MeanMetric, SumMetric
-
 import task
 from fabric_utils.args import build_parser, parse_flags
-from fabric_utils.batch_size import find_batch_size
-from fabric_utils.checkpoint import (agreed_resume_checkpoint, load_checkpoint, load_weights, read_record,
-                                     save_checkpoint)
 from fabric_utils.errors import UserError, exit_on_user_error
-from fabric_utils.export import export_model
-from fabric_utils.launcher import (build_fabric, clips_in_loop, launch, offloads_optimizer, scales_loss,
-                                   strategy_checkpoints_blocks, warn_if_updates_vanish)
-from fabric_utils.loaders import make_dataloaders
-from fabric_utils.loggers import finalize_loggers, make_loggers, plot_metrics, save_tracker_ids, saved_tracker_ids
-from fabric_utils.optim import build_optimizer, build_scheduler, count_parameters, count_warmup_steps
-from fabric_utils.preemption import Preemption
-from fabric_utils.progress import Progress
-from fabric_utils.run_folder import (environment_report, locked_run_folder, prepare_out_dir, remove_if_unused,
-                                     save_config)
-from fabric_utils.sharding import declare_blocks, recompute_blocks, setup_model_and_optimizer
-from fabric_utils.task_spec import TaskSpec
-from fabric_utils.speed import (Throughput, compile_model, configure_backends, default_num_workers,
-                                peak_memory_per_rank, training_flops_fn, warm_up)
 
 
 def flag_parser():
@@ -51,9 +26,44 @@ def parse_args(argv=None):
     return parse_flags(flag_parser(), argv, presets=getattr(task, "PRESETS", {}))
 
 
+if __name__ == "__main__":
+    # --help and a bad flag answer here, before the libraries imported below load (seconds)
+    exit_on_user_error(parse_args)()
+
+import functools
+import json
+import math
+from pathlib import Path
+
+import torch
+from torchmetrics import MeanMetric, SumMetric
+
+from fabric_utils.batch_size import find_batch_size
+from fabric_utils.checkpoint import (agreed_resume_checkpoint, load_checkpoint, load_weights,
+                                     read_record, save_checkpoint)
+from fabric_utils.export import export_model
+from fabric_utils.launcher import (build_fabric, clips_in_loop, explain_lost_peers, launch,
+                                   offloads_optimizer, scales_loss, strategy_checkpoints_blocks,
+                                   warn_if_updates_vanish)
+from fabric_utils.loaders import make_dataloaders
+from fabric_utils.loggers import (finalize_loggers, make_loggers, plot_metrics, save_tracker_ids,
+                                  saved_tracker_ids)
+from fabric_utils.optim import build_optimizer, build_scheduler, count_parameters, count_warmup_steps
+from fabric_utils.preemption import STATUS_FILE, Preemption
+from fabric_utils.progress import Progress, say, shows_bars, silence_libraries
+from fabric_utils.run_folder import (environment_report, locked_run_folder, prepare_out_dir, remove_if_unused,
+                                     save_config, write_predictions)
+from fabric_utils.sharding import declare_blocks, recompute_blocks, setup_model_and_optimizer
+from fabric_utils.task_spec import TaskSpec
+from fabric_utils.speed import (Throughput, compile_model, configure_backends, default_num_workers,
+                                peak_memory_per_rank, training_flops_fn, warm_up)
+
+
 @exit_on_user_error
 def setup(argv=None) -> dict:
     args = parse_args(argv)
+    if not args.verbose:
+        silence_libraries()
     out_dir, created = prepare_out_dir(args.out_dir, resume=args.resume)
     try:
         loggers = make_loggers(args.logger, out_dir, project=args.tracker_project,  # a resume continues tracked runs
@@ -63,7 +73,8 @@ def setup(argv=None) -> dict:
                               grad_checkpointing=args.grad_checkpointing,
                               loggers=loggers)                                               # Fabric step 1
         launch(fabric)                                                                       # Fabric step 2
-        with locked_run_folder(fabric, out_dir) as run_dir:  # nodes started apart in time agree on rank 0's folder
+        # nodes started apart in time agree on rank 0's folder
+        with locked_run_folder(fabric, out_dir) as run_dir, explain_lost_peers(fabric):
             return main(fabric, args, run_dir)
     finally:
         if created:  # a start that failed before writing anything leaves no folder behind
@@ -75,14 +86,14 @@ def main(fabric, args, out_dir: Path) -> dict:
     preemption = Preemption()  # from here on, SIGTERM/SIGUSR1 lead to a checkpoint, not a lost run
     configure_backends(fabric.device)
     env = environment_report(fabric)
-    if fabric.is_global_zero and not args.quiet:
-        fabric.print(json.dumps(env, indent=1))
+    if args.verbose:
+        say(json.dumps(env, indent=1))
 
     with fabric.rank_zero_first(local=True):  # rank 0 of each node prepares the data first; the others read its cache
-        job: TaskSpec = task.setup(args, verbose=fabric.is_global_zero and not args.quiet)
+        job: TaskSpec = task.setup(args, verbose=shows_bars(fabric, args.quiet, args.verbose))
     warn_if_updates_vanish(fabric.strategy.precision, lr=args.lr)  # the task may have chosen --lr for its model
     for note in job.notes:
-        fabric.print(note)
+        say(note)
     objective = job.objective
     model = declare_blocks(job.build_model(), job.blocks)
     if args.grad_checkpointing and not strategy_checkpoints_blocks(fabric.strategy):
@@ -102,11 +113,12 @@ def main(fabric, args, out_dir: Path) -> dict:
     if args.batch_size == "auto":  # probed on the model and optimizer as set up: wrapped, sharded, with state
         args.batch_size = find_batch_size(fabric, model, optimizer, loss_fn=step_loss,
                                           make_batch=lambda rows: job.example_batch(rows, None, fabric.device))
-    resume_from = agreed_resume_checkpoint(fabric, args.resume, out_dir / "checkpoints", report=fabric.print)
+    resume_from = agreed_resume_checkpoint(fabric, args.resume, out_dir / "checkpoints", report=say)
     if resume_from:  # a requeued job may come back on fewer devices: it continues with the same optimizer steps
         args.grad_accum = keep_rows_per_step(fabric, args, read_record(resume_from))
     loaders = make_loaders(fabric, args, job)
-    max_steps = args.max_steps or args.epochs * math.ceil(len(loaders["train"]) / args.grad_accum)
+    steps_per_epoch = math.ceil(len(loaders["train"]) / args.grad_accum)
+    max_steps = args.max_steps or args.epochs * steps_per_epoch
     scheduler = build_scheduler(torch_optimizer, args.scheduler, lr=args.lr, max_steps=max_steps,
                                 warmup_steps=count_warmup_steps(args.warmup, max_steps), min_lr_rate=args.min_lr_rate)
 
@@ -120,15 +132,17 @@ def main(fabric, args, out_dir: Path) -> dict:
         # the same row of the epoch in this run's batches (other ones, if the number of devices changed)
         state["batch_in_epoch"] = state["batch_in_epoch"] * state["rows_per_batch"] // rows_per_batch
         state["rows_per_batch"] = rows_per_batch
-        fabric.print(f"resumed from {resume_from} at step {state['step']}")
+        say(f"resumed from {resume_from} at step {state['step']}")
     # only now: bad data, model or checkpoint leave the folder as it was; each resumed segment keeps its own flags
-    save_config(fabric, args, out_dir, resumed_at=state["step"] if resume_from else None)
+    save_config(fabric, args, out_dir, resumed_at=state["step"] if resume_from else None, environment=env)
     save_tracker_ids(fabric, out_dir)  # starts the tracked runs (MLflow, W&B) and keeps their ids for a resume
+    if not args.quiet:
+        say(header(fabric, args, job, max_steps, steps_per_epoch, meta[ROWS_PER_STEP], out_dir))
 
     if fit(fabric, args, state, loaders=loaders, preemption=preemption, ckpt_dir=out_dir / "checkpoints",
-           max_steps=max_steps, flops_of=flops_of, job=job):
+           max_steps=max_steps, steps_per_epoch=steps_per_epoch, flops_of=flops_of, job=job):
         finalize_loggers(fabric.loggers, status="preempted")  # this segment's metrics stay on disk
-        fabric.print(f"preempted: saved a checkpoint at step {state['step']}; rerun with --resume auto")
+        say(f"preempted: saved a checkpoint at step {state['step']}; rerun with --resume auto")
         preemption.exit(fabric, loaders, out_dir, step=state["step"],  # status EXIT_PREEMPTED (75)
                         checkpoint=out_dir / "checkpoints" / f"step-{state['step']:06d}")
     preemption.training_ended()
@@ -136,6 +150,23 @@ def main(fabric, args, out_dir: Path) -> dict:
                      report={**params, "environment": env})
     preemption.close(fabric, loaders)  # workers, then the process group: nothing left for teardown to trip on
     return results
+
+
+def header(fabric, args, job: TaskSpec, max_steps: int, steps_per_epoch: int, rows_per_step: int,
+           out_dir: Path) -> str:
+    """What the run is about to do, in four lines."""
+    splits = ", ".join(f"{len(rows):,} {name}" for name, rows in job.datasets.items())
+    nodes = getattr(fabric.strategy, "num_nodes", 1)
+    return "\n".join([
+        f"data      {splits} rows",
+        f"training  {max_steps:,} optimizer steps ({max_steps / steps_per_epoch:.3g} "
+        f"epoch{'s' * (max_steps != steps_per_epoch)} of {steps_per_epoch:,}), "
+        f"{rows_per_step:,} rows each ({args.batch_size} per device x "
+        f"{fabric.world_size} device{'s' * (fabric.world_size > 1)} x --grad-accum {args.grad_accum})",
+        f"launch    {fabric.world_size} {fabric.device.type} process{'es' * (fabric.world_size > 1)}"
+        + (f" on {nodes} nodes" if nodes > 1 else "")
+        + f", {type(fabric.strategy).__name__}, precision {fabric.strategy.precision.precision}",
+        f"run       {out_dir} (environment.json there: versions and hardware)"])
 
 
 ROWS_PER_STEP = "rows per optimizer step (--batch-size x devices x --grad-accum)"
@@ -164,7 +195,7 @@ def keep_rows_per_step(fabric, args, record: dict) -> int:
                else f"resume on a number of devices that divides {rows}")
         raise UserError(f"cannot continue {rows} rows per optimizer step on {fabric.world_size} devices with "
                         f"--batch-size {args.batch_size}: {fix}")
-    fabric.print(f"resuming with world size {fabric.world_size} instead of {written_by}: --grad-accum "
+    say(f"resuming with world size {fabric.world_size} instead of {written_by}: --grad-accum "
                  f"{rows // rows_per_batch} keeps {rows} rows per optimizer step")
     return rows // rows_per_batch
 
@@ -193,11 +224,14 @@ def micro_batches(loader, grad_accum: int, start: int):
         yield batch, group_size, (position + 1) % grad_accum == 0 or position + 1 == epoch_batches
 
 
-def fit(fabric, args, state, loaders, preemption, ckpt_dir, max_steps, flops_of, job: TaskSpec) -> bool:
+def fit(fabric, args, state, loaders, preemption, ckpt_dir, max_steps, steps_per_epoch, flops_of,
+        job: TaskSpec) -> bool:
     """Trains until ``max_steps``, early stopping or preemption; returns whether it was preempted."""
     model, optimizer, scheduler, train_loader = state["model"], state["optimizer"], state["scheduler"], loaders["train"]
     objective = job.objective
-    progress = Progress(fabric, max_steps, args.quiet, metrics=objective.make_metrics())
+    progress = Progress(fabric, max_steps, args.quiet, metrics=objective.make_metrics(),
+                        steps_per_epoch=steps_per_epoch, rows_per_step=state["meta"][ROWS_PER_STEP],
+                        start_step=state["step"])
     monitor = Throughput(fabric, args.peak_tflops, flops_of, sized=job.row_sizes is not None)
     if args.compile:
         warm_up(fabric, model, optimizer, batch=next(iter(train_loader)),
@@ -233,7 +267,8 @@ def fit(fabric, args, state, loaders, preemption, ckpt_dir, max_steps, flops_of,
             epoch_ends = state["batch_in_epoch"] == epoch_batches
             if epoch_ends or (args.val_every and step % args.val_every == 0) or step == max_steps:
                 with monitor.paused():  # the throughput clock counts training time only
-                    val = validate(fabric, model, loaders["validation"], objective=objective, step=step)
+                    val = validate(fabric, model, loaders["validation"], objective=objective, step=step,
+                                   show=progress.note)
                     if objective.is_better(val[objective.best_metric], state["best_val"].get(objective.best_metric)):
                         state["best_val"], stale = val, 0  # the best model so far is kept as checkpoints/best
                         save_checkpoint(fabric, ckpt_dir, "best", {"model": model, "meta": state["meta"], "step": step})
@@ -249,6 +284,7 @@ def fit(fabric, args, state, loaders, preemption, ckpt_dir, max_steps, flops_of,
                         logger.save()  # the metrics up to this checkpoint survive a kill
             if stop or step >= max_steps:
                 break
+    progress.close()
     state["throughput"] = monitor.stop()
     return preempted
 
@@ -260,28 +296,33 @@ def log_step(fabric, progress, monitor, step, lr, max_lr) -> None:
     if not math.isfinite(logged["train/loss"]):
         raise UserError(f"the training loss became {logged['train/loss']} by step {step}: lower --lr (now {max_lr}), "
                         f"keep --grad-clip on, or use --precision bf16-mixed/32-true")
-    progress.show(monitor.log(step))
+    monitor.log(step)  # throughput and MFU, to the loggers
+    progress.show()
 
 
-def validate(fabric, model, loader, objective, step) -> dict:
-    """Evaluates on the validation split and logs the result."""
+def validate(fabric, model, loader, objective, step, show) -> dict:
+    """Evaluates on the validation split, logs the result and ``show``s it."""
     val = evaluate(fabric, model, loader, objective=objective)
     fabric.log_dict({f"val/{name}": value for name, value in val.items() if name != "examples"}, step=step)
-    fabric.print(f"step {step}: " + ", ".join(f"val {k} {v:.4f}" for k, v in val.items() if k != "examples"))
+    show(f"step {step}: " + ", ".join(f"val {k} {v:.4f}" for k, v in val.items() if k != "examples"))
     return val
 
 
 @torch.no_grad()
-def evaluate(fabric, model, loader, objective) -> dict:
-    """Loss and the task's metrics over every row of the split exactly once, summed over all ranks."""
+def evaluate(fabric, model, loader, objective, predict: bool = False) -> dict:
+    """Loss and the task's metrics over every row of the split exactly once, summed over all ranks; with
+    ``predict``, also ``"predictions"``: the objective's columns for every row, in the split's row order."""
     model.eval()
     mean_loss, rows = MeanMetric().to(fabric.device), SumMetric().to(fabric.device)
     metrics = objective.make_metrics().to(fabric.device)
     remaining = loader.batch_sampler.num_real  # the rest repeat a row so all ranks run the same number of batches
+    predicted = []
     for batch in loader:
         # every rank runs every forward, even on a batch of repeated rows only: under fsdp, fsdp2 and ZeRO-3 each
         # forward is a collective (the all-gather of each block), and a rank that skipped one would hang the others
         logits = objective.forward(model, batch)
+        if predict:  # of every row, repeated ones too: each rank then holds as many rows, as a gather needs
+            predicted.append(objective.predict(logits, batch))
         real = min(len(logits), remaining)
         remaining -= real
         if real == 0:
@@ -291,8 +332,24 @@ def evaluate(fabric, model, loader, objective) -> dict:
         metrics.update(logits, batch["labels"])
         rows.update(real)
     model.train()
-    return {"loss": mean_loss.compute().item(), **{k: v.item() for k, v in metrics.compute().items()},
-            "examples": int(rows.compute().item())}
+    result = {"loss": mean_loss.compute().item(), **{k: v.item() for k, v in metrics.compute().items()},
+              "examples": int(rows.compute().item())}
+    if predict:
+        result["predictions"] = gather_rows(fabric, loader.batch_sampler, predicted)
+    return result
+
+
+def gather_rows(fabric, sampler, columns: list[dict]) -> dict:
+    """Each rank's per-row columns (one dict per batch) gathered over ranks: each real row once, as the
+    ``"row"`` column (its index in the split) orders them."""
+    mine = {name: torch.cat([batch[name] for batch in columns]) for name in columns[0]}
+    mine["row"] = torch.tensor(sampler.indices, device=fabric.device)
+    mine["real"] = (torch.arange(len(sampler.indices), device=fabric.device) < sampler.num_real).int()
+    every = {name: value.flatten(0, 1) if fabric.world_size > 1 else value
+             for name, value in fabric.all_gather(mine).items()}
+    real = every.pop("real").bool()
+    order = every["row"][real].argsort()
+    return {"row": every.pop("row")[real][order], **{name: value[real][order] for name, value in every.items()}}
 
 
 def finish(fabric, args, state, loaders, out_dir, job: TaskSpec, report) -> dict:
@@ -300,7 +357,8 @@ def finish(fabric, args, state, loaders, out_dir, job: TaskSpec, report) -> dict
     model, best = state["model"], out_dir / "checkpoints" / "best" / "state"
     load_weights(fabric, best, model)
     objective = job.objective
-    test = evaluate(fabric, model, loaders["test"], objective=objective)
+    test = evaluate(fabric, model, loaders["test"], objective=objective, predict=True)
+    predictions = test.pop("predictions")
     # what training and testing held on each rank; the export then gathers the whole model on rank 0 alone, on the
     # host, under every strategy
     peaks = peak_memory_per_rank(fabric)
@@ -315,10 +373,12 @@ def finish(fabric, args, state, loaders, out_dir, job: TaskSpec, report) -> dict
     }
     finalize_loggers(fabric.loggers)  # flushes metrics.csv, which the plots read; ends the tracked runs
     if fabric.is_global_zero:
+        write_predictions(out_dir / "test_predictions.csv", predictions)
         (out_dir / "results.json").write_text(json.dumps(results, indent=2))
+        (out_dir / STATUS_FILE).unlink(missing_ok=True)  # a resumed run that completed is no longer preempted
         plot_metrics(out_dir)
-    fabric.print(f"test {objective.best_metric} {test[objective.best_metric]:.4f} on {test['examples']} rows; "
-                 f"results in {out_dir}/results.json")
+    say(f"test {objective.best_metric} {test[objective.best_metric]:.4f} on {test['examples']} rows; results in "
+        f"{out_dir}/results.json, each row's prediction in test_predictions.csv")
     return results
 
 

@@ -20,7 +20,6 @@ import pyarrow.compute as pc
 
 from fabric_utils.errors import UserError
 
-PROBLEM_TYPES = ("single_label", "multi_label", "regression")
 MISSING = "missing or empty labels"
 EXPECTED = {("single_label", "int"): "integer class ids", ("single_label", "str"): "strings, as in the train split",
             ("multi_label", "int"): "lists of integer class ids", ("multi_label", "str"): "lists of class names",

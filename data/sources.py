@@ -65,8 +65,9 @@ def load_splits(source, text_column="text", label_column="label", seed=123, trai
                                             label_separator, drop_invalid)
     splits = _carve_missing_splits(raw, seed, val_size)
     splits = datasets.DatasetDict({
-        name: _subset(split, size, seed)
-        for (name, split), size in zip(splits.items(), (train_size, val_size, test_size))
+        name: _subset(name, split, size, flag, seed)
+        for (name, split), size, flag in zip(splits.items(), (train_size, val_size, test_size),
+                                             ("--train-size", "--val-size", "--test-size"))
     })
     return LabelledSplits(splits, names, problem_type, dropped)
 
@@ -211,13 +212,21 @@ def _carve_missing_splits(raw: datasets.DatasetDict, seed: int, val_size) -> dat
         size = min(wanted, source_rows // 5)  # IMDB's 25,000 training rows give the default 5,000
         if size == 0:
             raise UserError(f"the dataset has {source_rows} training rows and no {name} split: too few to carve one")
+        if name == "validation" and val_size and size < val_size:
+            raise UserError(f"--val-size {val_size}: the dataset has no validation split, and a fifth of its "
+                            f"{source_rows} training rows, {size}, is the most carved for one; pass --val-size {size} "
+                            f"or less")
         parts = splits["train"].train_test_split(test_size=size, seed=seed)
         splits["train"], splits[name] = parts["train"], parts["test"]
     return datasets.DatasetDict({name: splits[name] for name in ("train", "validation", "test")})
 
 
-def _subset(split: datasets.Dataset, size, seed: int) -> datasets.Dataset:
-    """A seeded random subset: sources are often sorted by label (IMDB is), so the first rows would do."""
-    if size is None or size >= len(split):
+def _subset(name: str, split: datasets.Dataset, size, flag: str, seed: int) -> datasets.Dataset:
+    """A seeded random subset: sources are often sorted by label (IMDB is), so the first rows would do. More rows
+    than the split has is a ``UserError`` naming how many it has."""
+    if size is not None and size > len(split):
+        raise UserError(f"{flag} {size}: the {name} split has {len(split)} rows; pass {len(split)} or less, or leave "
+                        f"{flag} out to use them all")
+    if size is None or size == len(split):
         return split
     return split.shuffle(seed=seed).select(range(size)).flatten_indices()

@@ -180,6 +180,11 @@ class Objective:
     def is_better(self, value: float, best: float | None) -> bool:
         return best is None or value > best
 
+    def predict(self, logits: torch.Tensor, batch: dict) -> dict[str, torch.Tensor]:
+        """Each image's digit, the predicted one and its probability."""
+        score, predicted = logits.float().softmax(dim=-1).max(dim=-1)
+        return {"label": batch["labels"], "predicted": predicted, "score": score}
+
 
 # ---- export ----------------------------------------------------------------------------------------------------------
 def export(weights: dict, config: dict, folder: Path) -> None:

@@ -1,15 +1,28 @@
 """The training loop's flags, grouped by purpose, and their parsing. ``--config FILE`` (YAML) sets defaults; flags on
 the command line win. The task adds its own flags (data, model) and its defaults for these
-(``fabric_utils.task_spec``)."""
+(``fabric_utils.task_spec``). Nothing here imports torch or Lightning, so ``--help`` and a bad value answer at once."""
 
 import argparse
 import os
+from pathlib import Path
 
 import yaml
 
 from fabric_utils.errors import UserError
-from fabric_utils.launcher import add_launch_args
-from fabric_utils.loggers import LOGGER_NAMES
+
+# Fabric's names, written out because importing Lightning to read its registries takes seconds (tests/infra/
+# test_launcher.py checks them against the registries): the strategies fabric.launch() starts by running this script
+# again (not ddp_spawn, ddp_fork, ddp_notebook, xla, xla_fsdp: they need the job as a function), and fsdp2
+FSDP2 = "fsdp2"  # PyTorch's current FSDP (fully_shard), through Fabric's ModelParallelStrategy; not in its registry
+ACCELERATORS = ("auto", "cpu", "cuda", "mps", "tpu")
+STRATEGIES = ("auto", "ddp", "ddp_find_unused_parameters_true", "dp", "deepspeed", "deepspeed_stage_1",
+              "deepspeed_stage_1_offload", "deepspeed_stage_2", "deepspeed_stage_2_offload", "deepspeed_stage_3",
+              "deepspeed_stage_3_offload", "deepspeed_stage_3_offload_nvme", "fsdp", "fsdp_cpu_offload", "single_xla",
+              "single_tpu", FSDP2)
+PRECISIONS = ("auto", "transformer-engine", "transformer-engine-float16", "16-true", "16-mixed", "bf16-true",
+              "bf16-mixed", "32-true", "64-true", "64", "32", "16", "bf16")
+LOGGER_NAMES = ("csv", "tensorboard", "mlflow", "wandb")
+LAUNCH_SETTINGS = ("accelerator", "devices", "num_nodes", "strategy", "precision")
 
 
 def positive_int(text: str) -> int:
@@ -57,6 +70,12 @@ def batch_size(text: str):
     return "auto" if text == "auto" else positive_int(text)
 
 
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        """One line, as every other bad input: the usage block is for --help."""
+        self.exit(2, f"error: {message}\n")
+
+
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Shows defaults, but not "None" for flags whose default is explained in their help."""
 
@@ -64,10 +83,62 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return action.help if action.default is None else super()._get_help_string(action)
 
 
+def add_launch_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("launch (as in `fabric run`; under `fabric run`, pass them there instead)")
+    group.add_argument("--accelerator", choices=ACCELERATORS, help="hardware to run on (default: auto)")
+    group.add_argument("--devices", help="devices per node: a count (4), a list (0,1), -1 or auto (default)")
+    group.add_argument("--num-nodes", type=int, help="number of machines (default: 1)")
+    group.add_argument("--strategy", choices=STRATEGIES,
+                       help="how to spread the work: ddp, fsdp, fsdp2, deepspeed_stage_2, ... (default: auto)")
+    group.add_argument("--precision", choices=PRECISIONS,
+                       help="numeric precision (default: auto = bf16-mixed where the hardware supports it, "
+                            "16-mixed on older GPUs (32-true under fsdp2, which has no loss scaler), else 32-true)")
+
+
+def launched_by_cli() -> bool:
+    return os.environ.get("LT_CLI_USED") == "1"
+
+
+def fabric_run_settings(flags: dict) -> dict:
+    """The launch settings given to ``fabric run``, which passes them on as ``LT_*`` environment variables; a setting
+    also given to the script (``flags``, None where not) with another value, or given to ``fabric run`` twice (it
+    reads its options even after the script's name, and takes the last), is a ``UserError`` saying which to remove."""
+    if not launched_by_cli():
+        return {}
+    settings = {name: os.environ[f"LT_{name.upper()}"] for name in LAUNCH_SETTINGS
+                if f"LT_{name.upper()}" in os.environ}
+    given = _fabric_run_options()
+    for name, value in settings.items():
+        flag = "--" + name.replace("_", "-")
+        if len(set(given.get(name, []))) > 1:
+            raise UserError(f"{flag} is given to `fabric run` twice ({' and '.join(given[name])}), and it took the "
+                            f"last ({value}) even if it came after train.py; give {flag} once")
+        if flags.get(name) is not None and str(flags[name]) != value:
+            raise UserError(f"{flag} is set twice: `fabric run` has {value} (its default if not given there) and "
+                            f"train.py has {flags[name]}; remove {flag} from the train.py arguments")
+    return settings
+
+
+def _fabric_run_options() -> dict[str, list[str]]:
+    """Each launch setting's values on the command line of ``fabric run``, this process's parent (torchrun's agent
+    runs inside it and starts the script's processes); none where it cannot be read."""
+    try:
+        argv = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return {}
+    values = {}
+    for i, word in enumerate(argv):
+        option, equals, value = word.partition("=")
+        name = option.removeprefix("--").replace("-", "_")
+        if option.startswith("--") and name in LAUNCH_SETTINGS and (equals or i + 1 < len(argv)):
+            values.setdefault(name, []).append(value if equals else argv[i + 1])
+    return values
+
+
 def build_parser(description: str) -> argparse.ArgumentParser:
     """The flags of the training loop, whatever the task: launch, optimization, speed, checkpoints and logging.
     The task adds its own (data, model) to the parser this returns."""
-    p = argparse.ArgumentParser(description=description, formatter_class=HelpFormatter)
+    p = Parser(description=description, formatter_class=HelpFormatter)
     p.add_argument("--config", help="YAML file of flag values (as written to config.yaml); flags given here win")
     add_launch_args(p)
 
@@ -131,7 +202,10 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     g.add_argument("--tracker-project", default="fabric-template", help="MLflow experiment and W&B project name "
                    "(the run is named after the run folder)")
     g.add_argument("--log-every", type=positive_int, default=10, help="log metrics every N optimizer steps")
-    g.add_argument("--quiet", action="store_true", help="no progress bar or log lines")
+    g.add_argument("--quiet", action="store_true", help="no header, progress or validation lines (notices, the "
+                   "result and errors still print)")
+    g.add_argument("--verbose", action="store_true", help="also print the environment report and what the libraries "
+                   "underneath log (Lightning, transformers, DeepSpeed), and draw their progress bars in a log too")
     return p
 
 
@@ -151,6 +225,7 @@ def parse_flags(parser: argparse.ArgumentParser, argv=None, presets: dict | None
             raise UserError(f"unknown logger {name!r}: --logger takes a comma list of {', '.join(LOGGER_NAMES)}")
     if args.num_workers is not None and args.num_workers < 0:
         raise UserError("--num-workers must be 0 or more")
+    fabric_run_settings({name: getattr(args, name) for name in LAUNCH_SETTINGS})  # checked before torch loads
     return args
 
 

@@ -7,6 +7,7 @@ from collections.abc import Callable
 import torch
 
 from fabric_utils.errors import UserError
+from fabric_utils.progress import say
 
 MAX_BATCH = 1024
 MAX_STEP_SECONDS = 10.0  # on a CPU memory rarely runs out first: stop where a step gets impractically slow
@@ -59,7 +60,7 @@ def find_batch_size(fabric, model, optimizer, *, make_batch: Callable[[int], dic
     if best == 0:
         raise UserError("not even one row fits in memory; use shorter rows, --grad-checkpointing or a sharded "
                         "--strategy")
-    fabric.print(f"--batch-size auto: {best} rows per device")
+    say(f"--batch-size auto: {best} rows per device")
     return best
 
 

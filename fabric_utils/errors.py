@@ -4,10 +4,12 @@ import functools
 import os
 import sys
 
-import torch.distributed as dist
-
 EXIT_USER_ERROR = 2
 EXIT_PEER_FAILED = 1
+
+
+class PeerLost(Exception):
+    """A collective failed because another process of the job ended; the message says what is known of it."""
 
 
 class UserError(Exception):
@@ -23,7 +25,7 @@ def exit_on_user_error(main):
     """Turns a ``UserError`` into ``error: <message>`` on stderr and exit status 2: printed by the first process of
     the job (global rank 0, or a process that knows no rank yet), or by the rank the error names. The other ranks of
     a job that lost a process stop without a traceback of their own: their next collective fails (gloo: "Connection
-    closed by peer"; NCCL: a DistError), and rank 0 says so in one line."""
+    closed by peer"; NCCL: a DistError), and rank 0 says so in one line (``PeerLost``: with what it knows)."""
     @functools.wraps(main)
     def wrapper(*args, **kwargs):
         try:
@@ -34,17 +36,18 @@ def exit_on_user_error(main):
                 print(f"error{where}: {err}", file=sys.stderr, flush=True)
             sys.exit(EXIT_USER_ERROR)
         except Exception as err:
-            if not lost_a_peer(err):
+            if not isinstance(err, PeerLost) and not lost_a_peer(err):
                 raise
             if _global_rank() == 0:
-                print("stopping: another process of this job ended; its own output says why", file=sys.stderr,
-                      flush=True)
+                print(f"stopping: {err if isinstance(err, PeerLost) else 'another process of this job ended'}",
+                      file=sys.stderr, flush=True)
             sys.exit(EXIT_PEER_FAILED)
     return wrapper
 
 
 def lost_a_peer(err: Exception) -> bool:
     """Whether a collective failed because another process of the job is gone."""
+    import torch.distributed as dist  # here: the flags are parsed, and may fail, before torch is imported
     return isinstance(err, dist.DistError) or isinstance(err, RuntimeError) and "by peer" in str(err)
 
 

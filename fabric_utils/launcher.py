@@ -1,16 +1,18 @@
 """Map command-line flags to a ``lightning.Fabric``: accelerator, devices, num_nodes, strategy, precision.
 
-The choices come from Fabric's own registries, so every strategy Fabric knows (``ddp``, ``fsdp``,
-``deepspeed_stage_2_offload``, ...) works as a flag, except those that spawn or fork a function (``ddp_spawn``,
-``ddp_fork``, ``ddp_notebook``, ``xla``, ``xla_fsdp``). Under ``fabric run`` the CLI's settings arrive as ``LT_*``
+Every strategy Fabric knows (``ddp``, ``fsdp``, ``deepspeed_stage_2_offload``, ...) works as a flag
+(``fabric_utils.args`` lists them), except those that spawn or fork a function (``ddp_spawn``, ``ddp_fork``,
+``ddp_notebook``, ``xla``, ``xla_fsdp``). Under ``fabric run`` the CLI's settings arrive as ``LT_*``
 environment variables and win; giving the same setting to both ``fabric run`` and ``train.py`` with different
 values stops with a message that says which to remove.
 """
 
-import argparse
+import contextlib
 import os
+import signal
+import subprocess
 import time
-import typing
+import warnings
 from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
@@ -19,48 +21,17 @@ import torch
 from lightning.fabric import Fabric
 from lightning.fabric.accelerators import ACCELERATOR_REGISTRY
 from lightning.fabric.plugins.precision import DeepSpeedPrecision, Precision
-from lightning.fabric.plugins.precision.precision import _PRECISION_INPUT_STR, _PRECISION_INPUT_STR_ALIAS
-from lightning.fabric.strategies import (STRATEGY_REGISTRY, DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy,
-                                         XLAFSDPStrategy, XLAStrategy)
+from lightning.fabric.strategies import STRATEGY_REGISTRY, DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
+from lightning.fabric.strategies import deepspeed as fabric_deepspeed
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
-from fabric_utils.errors import UserError
+from fabric_utils.args import FSDP2, LAUNCH_SETTINGS, fabric_run_settings, launched_by_cli
+from fabric_utils.errors import PeerLost, UserError, lost_a_peer
 from fabric_utils.sharding import BlockPolicy, mixed_precision_policy, shard_blocks
 
-LAUNCH_SETTINGS = ("accelerator", "devices", "num_nodes", "strategy", "precision")
 FABRIC_DEFAULTS = {"accelerator": "auto", "devices": "auto", "num_nodes": 1, "strategy": "auto"}
-PRECISIONS = ("auto", *typing.get_args(_PRECISION_INPUT_STR), *typing.get_args(_PRECISION_INPUT_STR_ALIAS))
-FSDP2 = "fsdp2"  # PyTorch's current FSDP (fully_shard), through Fabric's ModelParallelStrategy; not in its registry
-
-
-def add_launch_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("launch (as in `fabric run`; under `fabric run`, pass them there instead)")
-    group.add_argument("--accelerator", choices=("auto", *ACCELERATOR_REGISTRY.available_accelerators()),
-                       help="hardware to run on (default: auto)")
-    group.add_argument("--devices", help="devices per node: a count (4), a list (0,1), -1 or auto (default)")
-    group.add_argument("--num-nodes", type=int, help="number of machines (default: 1)")
-    group.add_argument("--strategy", choices=("auto", *launchable_strategies(), FSDP2),
-                       help="how to spread the work: ddp, fsdp, fsdp2, deepspeed_stage_2, ... (default: auto)")
-    group.add_argument("--precision", choices=PRECISIONS,
-                       help="numeric precision (default: auto = bf16-mixed where the hardware supports it, "
-                            "16-mixed on older GPUs (32-true under fsdp2, which has no loss scaler), else 32-true)")
-
-
-def launchable_strategies() -> list[str]:
-    """Fabric's strategy names that ``fabric.launch()`` starts as this script runs: it starts the other processes
-    by running the script again. Those that spawn or fork (``ddp_spawn``, ``ddp_fork``, ``ddp_notebook``) or run
-    under XLA's launcher need the whole job handed to ``launch`` as one function, and refuse to start without."""
-    def launchable(name: str) -> bool:
-        entry = STRATEGY_REGISTRY[name]
-        return (entry["init_params"].get("start_method", "popen") == "popen"
-                and not issubclass(entry["strategy"], (XLAStrategy, XLAFSDPStrategy)))
-    return [name for name in STRATEGY_REGISTRY.available_strategies() if launchable(name)]
-
-
-def launched_by_cli() -> bool:
-    return os.environ.get("LT_CLI_USED") == "1"
 
 
 def launch(fabric: Fabric) -> None:
@@ -69,6 +40,28 @@ def launch(fabric: Fabric) -> None:
     if not launched_by_cli():
         join_restarted_torchrun_workers(fabric)
         fabric.launch()
+
+
+@contextmanager
+def explain_lost_peers(fabric: Fabric):
+    """A collective that failed because another process of the job ended becomes a ``PeerLost`` that says which
+    process and how it ended, where this process started it (Lightning's launcher: local rank 0 starts the node's
+    others) and so knows."""
+    try:
+        yield
+    except Exception as err:
+        if not lost_a_peer(err):
+            raise
+        ended = []
+        for local_rank, proc in enumerate(getattr(getattr(fabric.strategy, "launcher", None), "procs", []), start=1):
+            with contextlib.suppress(subprocess.TimeoutExpired):  # a peer's sockets close as it dies: a moment to go
+                proc.wait(timeout=1)
+            if proc.returncode:
+                how = (f"was killed by {signal.Signals(-proc.returncode).name}" if proc.returncode < 0
+                       else f"exited with status {proc.returncode}")
+                ended.append(f"rank {fabric.node_rank * (len(fabric.strategy.launcher.procs) + 1) + local_rank}'s "
+                             f"process {how}")
+        raise PeerLost("; ".join(ended) or "another process of this job ended") from err
 
 
 def end_job(fabric: Fabric) -> None:
@@ -106,28 +99,14 @@ def join_restarted_torchrun_workers(fabric: Fabric) -> None:
                                          rank=int(os.environ["RANK"]), world_size=world_size)
 
 
-def cli_settings() -> dict:
-    """Settings given to ``fabric run``, which passes them on as ``LT_*`` environment variables."""
-    if not launched_by_cli():
-        return {}
-    return {name: os.environ[f"LT_{name.upper()}"] for name in LAUNCH_SETTINGS if f"LT_{name.upper()}" in os.environ}
-
-
 def resolve_launch_settings(flags: dict) -> dict:
-    """The five settings Fabric gets: the CLI's where ``fabric run`` set them, else ``flags`` (the script's own,
-    None where not given), else defaults."""
-    from_cli = cli_settings()
+    """The five settings Fabric gets: the CLI's where ``fabric run`` set them (``fabric_run_settings``), else
+    ``flags`` (the script's own, None where not given), else defaults."""
+    from_cli = fabric_run_settings(flags)
     settings = {}
     for name in LAUNCH_SETTINGS:
         given = flags.get(name)
-        if name in from_cli:
-            if given is not None and str(given) != from_cli[name]:
-                flag = "--" + name.replace("_", "-")
-                raise UserError(f"{flag} is set twice: `fabric run` has {from_cli[name]} (its default if not given "
-                                f"there) and train.py has {given}; remove {flag} from the train.py arguments")
-            settings[name] = from_cli[name]
-        else:
-            settings[name] = given if given is not None else FABRIC_DEFAULTS.get(name, "auto")
+        settings[name] = from_cli.get(name, given if given is not None else FABRIC_DEFAULTS.get(name, "auto"))
     settings["num_nodes"] = int(settings["num_nodes"])
     if settings["precision"] == "auto":
         settings["precision"] = auto_precision(settings["accelerator"], settings["strategy"])
@@ -171,10 +150,13 @@ def build_fabric(accelerator=None, devices=None, num_nodes=None, strategy=None, 
         strategy = build_strategy(settings, grad_checkpointing)
         if not isinstance(strategy, str):  # Fabric would take `fabric run`'s LT_STRATEGY (in settings) over it
             os.environ.pop("LT_STRATEGY", None)
-        fabric = Fabric(**{**settings, "strategy": strategy}, **fabric_kwargs)
+        with warnings.catch_warnings():  # check_precision_supported makes this swap an error, in one line
+            warnings.filterwarnings("ignore", message=".*AMP with fp16 is not supported on CPU")
+            fabric = Fabric(**{**settings, "strategy": strategy}, **fabric_kwargs)
     except (ValueError, RuntimeError, TypeError, MisconfigurationException) as err:
         raise UserError(f"cannot launch with {settings}: {str(err).splitlines()[0]}") from err
     check_precision_supported(settings["precision"], fabric.strategy.precision.precision, fabric.device)
+    check_strategy_supported(fabric, settings["strategy"])
     check_cpu_processes(fabric, settings)
     if isinstance(fabric.strategy, DeepSpeedStrategy):
         configure_deepspeed(fabric.strategy, grad_clip)
@@ -216,6 +198,16 @@ def count_processes(settings: dict) -> int:
     devices_of = type(ACCELERATOR_REGISTRY.get(accelerator))
     devices = devices_of.auto_device_count() if settings["devices"] == "auto" else settings["devices"]
     return settings["num_nodes"] * len(devices_of.get_parallel_devices(devices_of.parse_devices(devices)))
+
+
+def check_strategy_supported(fabric: Fabric, strategy: str) -> None:
+    """Fabric's DeepSpeed strategy refuses anything but CUDA only once each process has started, leaving a
+    traceback per process and the other ranks running: checked here instead, against the accelerator class it
+    checks (the tests' CPU shim replaces it)."""
+    if isinstance(fabric.strategy, DeepSpeedStrategy) and not isinstance(fabric.accelerator,
+                                                                         fabric_deepspeed.CUDAAccelerator):
+        raise UserError(f"--strategy {strategy} needs CUDA GPUs (DeepSpeed); on a CPU use --strategy ddp, {FSDP2} "
+                        f"or auto")
 
 
 def check_cpu_processes(fabric: Fabric, settings: dict) -> None:

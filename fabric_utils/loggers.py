@@ -16,7 +16,6 @@ from lightning.pytorch.loggers import MLFlowLogger, WandbLogger  # they import m
 
 from fabric_utils.errors import UserError
 
-LOGGER_NAMES = ("csv", "tensorboard", "mlflow", "wandb")
 # what each tracker imports, and the command that installs it (MLflow's local sqlite store needs SQLAlchemy, alembic)
 TRACKER_PACKAGES = {"mlflow": (("mlflow", "sqlalchemy", "alembic"), "pip install mlflow"),
                     "wandb": (("wandb",), "pip install wandb")}
@@ -135,7 +134,9 @@ def plot_metrics(out_dir: Path) -> list[Path]:
             column = f"{split}/{name}"
             if column in metrics:
                 points = metrics[["step", column]].dropna()
-                ax.plot(points["step"], points[column], marker="o" if split == "val" else None, label=split)
+                # markers where points are few: a line alone hides that a short run logged once or twice
+                ax.plot(points["step"], points[column], marker="o" if split == "val" or len(points) <= 30 else None,
+                        label=split)
         ax.set(xlabel="optimizer step", ylabel=name, title=f"{name} per step")
         ax.legend()
         fig.tight_layout()

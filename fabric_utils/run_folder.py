@@ -1,8 +1,10 @@
 """The run folder and what a run records about itself: its flags (config.yaml) and its environment."""
 
 import contextlib
+import csv
 import fcntl
 import importlib.metadata
+import json
 import os
 import platform
 import shutil
@@ -58,24 +60,37 @@ def locked_run_folder(fabric, proposed: Path):
     """The job's one run folder, global rank 0's proposal, made and locked for the run's whole life. One run per
     folder: rank 0 holds an exclusive lock on its ``.lock``, and every rank gets the same answer. The operating
     system drops the lock with its process, so a run that was killed (``kill -9``, a lost node) never blocks its own
-    ``--resume auto``."""
+    ``--resume auto``; a run that ends removes the file."""
     out_dir = Path(fabric.broadcast(str(proposed)))
-    lock, held = None, True
+    path, lock = out_dir / LOCK_FILE, None
     if fabric.is_global_zero:
         out_dir.mkdir(parents=True, exist_ok=True)
-        lock = open(out_dir / LOCK_FILE, "a")
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            held = False
-    if not fabric.broadcast(held):
+        lock = _lock(path)
+    if not fabric.broadcast(lock is not None):
         raise UserError(f"another run is using --out-dir {out_dir} right now; let it finish, or pass another "
                         f"--out-dir")
     try:
         yield out_dir
     finally:
         if lock is not None:
+            path.unlink()  # before the lock goes: a run starting now locks a new file
             lock.close()
+
+
+def _lock(path: Path):
+    """``path`` opened and locked, or None where another process holds the lock. A run that ended just now may have
+    removed the file this opened: its lock would then guard nothing, so that try starts again on a new file."""
+    while True:
+        lock = open(path, "a")
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.close()
+            return None
+        with contextlib.suppress(FileNotFoundError):
+            if os.stat(path).st_ino == os.fstat(lock.fileno()).st_ino:
+                return lock
+        lock.close()
 
 
 def remove_if_unused(path: Path) -> None:
@@ -120,9 +135,22 @@ def _cpu_model() -> str:
     return platform.processor()
 
 
-def save_config(fabric, args, out_dir: Path, resumed_at: int | None = None) -> None:
-    """The resolved flags as ``config.yaml`` (``--config`` reruns it, flags given beside it win); a resumed segment's
-    as ``config-resumed-at-step-N.yaml`` beside it, so the run's first flags are never overwritten."""
+def save_config(fabric, args, out_dir: Path, environment: dict, resumed_at: int | None = None) -> None:
+    """The resolved flags as ``config.yaml`` (``--config`` reruns it, flags given beside it win) and ``environment``
+    (``environment_report``) as ``environment.json``; a resumed segment's with ``-resumed-at-step-N`` in their
+    names, so the run's first ones are never overwritten."""
     if fabric.is_global_zero:
-        name = "config.yaml" if resumed_at is None else f"config-resumed-at-step-{resumed_at:06d}.yaml"
-        (out_dir / name).write_text(yaml.safe_dump(vars(args), sort_keys=False))
+        segment = "" if resumed_at is None else f"-resumed-at-step-{resumed_at:06d}"
+        (out_dir / f"config{segment}.yaml").write_text(yaml.safe_dump(vars(args), sort_keys=False))
+        (out_dir / f"environment{segment}.json").write_text(json.dumps(environment, indent=1))
+
+
+def write_predictions(path: Path, columns: dict) -> None:
+    """``columns`` (name -> a tensor, one entry per row) as a CSV file; a row's vector (one value per label) as one
+    cell of space-separated values."""
+    cells = [column.tolist() for column in columns.values()]
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(columns)
+        for row in zip(*cells):
+            writer.writerow(" ".join(map(str, value)) if isinstance(value, list) else value for value in row)

@@ -12,9 +12,9 @@ A task module provides:
   infrastructure tests (``tests/infra``) train whatever ``task.py`` is with them.
 - ``setup(args, verbose) -> TaskSpec``: built from the parsed flags, whole. It runs on every rank, local rank 0 of
   each node first, so it may cache what it prepares (tokenization, downloads) for the others to read. ``verbose``
-  is false on every rank but the first and under ``--quiet``. It may fill in a loop flag whose default it set to
-  None in ``add_args`` from what it loads (a learning rate for the model's size): the loop reads it after ``setup``,
-  and ``config.yaml`` records the value.
+  (progress bars wanted) is false on every rank but the first, under ``--quiet``, and in a log unless ``--verbose``.
+  It may fill in a loop flag whose default it set to None in ``add_args`` from what it loads (a learning rate for
+  the model's size): the loop reads it after ``setup``, and ``config.yaml`` records the value.
 
 A model built by ``TaskSpec.build_model`` must take a batch through ``objective.forward`` and give outputs that
 ``objective.loss`` and the metrics take; batches are dicts of tensors, rows first, with the targets under
@@ -22,14 +22,17 @@ A model built by ``TaskSpec.build_model`` must take a batch through ``objective.
 dimension).
 """
 
+from __future__ import annotations  # the types below are only named: task.py imports this before torch loads
+
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-import torch
-from torch.utils.data import Dataset
-from torchmetrics import MetricCollection
+if TYPE_CHECKING:
+    import torch
+    from torch.utils.data import Dataset
+    from torchmetrics import MetricCollection
 
 
 class Objective(Protocol):
@@ -47,6 +50,10 @@ class Objective(Protocol):
 
     def is_better(self, value: float, best: float | None) -> bool:
         """Whether ``value`` of ``best_metric`` beats ``best`` (None: nothing yet)."""
+
+    def predict(self, outputs: torch.Tensor, batch: dict) -> dict[str, torch.Tensor]:
+        """Each row's columns of ``test_predictions.csv`` (its label, the predicted label or value, a score), as
+        tensors with the rows first (a vector per row becomes one cell): the loop gathers them over ranks."""
 
 
 @dataclass

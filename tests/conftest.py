@@ -74,6 +74,16 @@ def build_fabric_from_flags(*flags):
                         grad_checkpointing=args.grad_checkpointing)
 
 
+@pytest.fixture
+def deepspeed_accepts_cpu(monkeypatch):
+    """Fabric's DeepSpeed strategy built in this process on the CPU, as the tests' shim lets a subprocess run it
+    (Fabric accepts only CUDA for it): to test what the launcher makes of DeepSpeed flags."""
+    from lightning.fabric.accelerators import CPUAccelerator
+
+    from fabric_utils import launcher
+    monkeypatch.setattr(launcher.fabric_deepspeed, "CUDAAccelerator", CPUAccelerator)
+
+
 def fake_gpu(monkeypatch, native_bf16: bool) -> None:
     """A GPU as torch.cuda reports it: every CUDA GPU emulates bf16 (V100, T4), only compute capability 8.0+ has it
     natively (A100, H100)."""

@@ -29,7 +29,7 @@ def probe(strategy: str) -> dict:
 
 @pytest.mark.parametrize("strategy, offloads", [("deepspeed_stage_2", False), ("deepspeed_stage_2_offload", True),
                                                 ("deepspeed_stage_3_offload", True), ("ddp", False)])
-def test_offload_is_read_from_the_strategy(strategy, offloads):
+def test_offload_is_read_from_the_strategy(deepspeed_accepts_cpu, strategy, offloads):
     assert offloads_optimizer(build_fabric(accelerator="cpu", strategy=strategy)) == offloads
 
 

@@ -117,6 +117,8 @@ def test_sigterm_saves_a_checkpoint_and_exits_75_then_resume_completes(runs):
     assert logged and max(logged) >= step - 5, logged  # logged every 5 steps, up to where it stopped
     resumed = jobs["termed_resume"].results()
     assert resumed_step(jobs["termed_resume"].output()) == step
+    for name in ("preempted.txt", ".lock"):  # the run completed: neither says anything true any more
+        assert not (jobs["termed"].out_dir / name).exists(), name
     full = jobs["full"].results()
     for key in COMPARED:  # a preempted run loses nothing either
         assert resumed[key] == pytest.approx(full[key], abs=1e-4), key

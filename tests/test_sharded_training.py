@@ -76,7 +76,7 @@ def test_fsdp2_bf16_mixed_gathers_bf16_weights_and_reduces_fp32_gradients(tmp_pa
 @pytest.mark.parametrize("strategy, precision, accumulates_in", [
     ("deepspeed_stage_2", "bf16-mixed", "fp32"), ("deepspeed_stage_3_offload", "bf16-true", "fp32"),
     ("deepspeed_stage_2", "32-true", None), ("deepspeed_stage_1", "bf16-mixed", None)])
-def test_zero_2_and_3_accumulate_bf16_gradients_in_fp32(strategy, precision, accumulates_in):
+def test_zero_2_and_3_accumulate_bf16_gradients_in_fp32(deepspeed_accepts_cpu, strategy, precision, accumulates_in):
     """DeepSpeed accumulates micro-batch gradients in the weights' dtype unless its config says otherwise: bf16
     gradient shards under --grad-accum rounded the sum at every micro-batch. (ZeRO-1 would swap in DeepSpeed's
     BF16_Optimizer, whose checkpoints zero_to_fp32 cannot export.)"""

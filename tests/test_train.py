@@ -1,7 +1,9 @@
 """The training loop end to end: the offline demo, two CPU processes launched both ways, accumulation."""
 
+import csv
 import json
 import os
+import re
 import signal
 import sys
 
@@ -9,6 +11,7 @@ import pytest
 import torch
 import yaml
 
+import task
 from conftest import (SMALL_DEMO, Job, build_fabric_from_flags, fabric_cli, kill_all, resumed_step, run,
                       train)
 from fabric_utils.batch_size import MAX_BATCH, find_batch_size
@@ -29,13 +32,40 @@ def test_demo_learns_and_leaves_a_complete_run_folder(tmp_path):
             "config"} <= set(results)
     assert json.loads((tmp_path / "model" / "config.json").read_text())["id2label"] == {"0": "negative",
                                                                                       "1": "positive"}
+    config = yaml.safe_load((tmp_path / "config.yaml").read_text())  # what it trained, not the flags' defaults
+    assert config["model"] == results["config"]["model"] == str(task.DEMO_ROOT / "model")
+    assert config["dataset"] == str(task.DEMO_ROOT / "data")
+    assert (tmp_path / "environment.json").is_file() and not (tmp_path / ".lock").exists()
+    predictions = read_predictions(tmp_path)
+    assert [int(row["row"]) for row in predictions] == list(range(1000))  # every test row once, in order
+    assert accuracy(predictions) == pytest.approx(results["test_acc"], abs=1e-6)
+
+
+def read_predictions(out_dir) -> list[dict]:
+    with open(out_dir / "test_predictions.csv", newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def accuracy(predictions: list[dict]) -> float:
+    return sum(row["label"] == row["predicted"] for row in predictions) / len(predictions)
+
+
+# a line of the run's output: its header, progress, validation and result; nothing from the libraries underneath
+OUTPUT_LINE = re.compile(r"(data|training|launch|run) {2,}\S.*|step \d+/\d+ \(epoch \d+/\d+\): loss .*, "
+                         r"[\d.]+ rows/s, \d+:\d\d:\d\d left|step \d+: val loss .*|test acc .* results in .*")
 
 
 @pytest.mark.parametrize("launch", ["python", "fabric run"])
 def test_two_cpu_processes_count_every_row_once(tmp_path, launch):
     flags = ["--accelerator", "cpu", "--devices", "2"]
-    if launch == "python":
-        results = train([*flags, *SMALL_DEMO, "--logger", "csv,tensorboard"], tmp_path)
+    if launch == "python":  # with its output, as a log shows it
+        shown = [flag for flag in SMALL_DEMO if flag != "--quiet"]
+        done = run([sys.executable, "train.py", *flags, *shown, "--log-every", "4", "--logger", "csv,tensorboard",
+                    "--out-dir", str(tmp_path)])
+        assert not done.stderr, done.stderr[-3000:]
+        assert all(OUTPUT_LINE.fullmatch(line) for line in done.stdout.splitlines()), done.stdout
+        assert sum(line.startswith("step ") and " left" in line for line in done.stdout.splitlines()) >= 3
+        results = json.loads((tmp_path / "results.json").read_text())
     else:
         run([fabric_cli(), "run", *flags, "train.py", *SMALL_DEMO, "--out-dir", str(tmp_path)])
         results = json.loads((tmp_path / "results.json").read_text())
@@ -43,6 +73,9 @@ def test_two_cpu_processes_count_every_row_once(tmp_path, launch):
     assert {k: results[k] for k in SMALL_SIZES} == SMALL_SIZES
     peaks = results["peak_memory_mb_per_rank"]  # each rank's own resident peak, not rank 0's twice
     assert len(peaks) == 2 and all(peak > 100 for peak in peaks) and peaks[0] != peaks[1]
+    predictions = read_predictions(tmp_path)  # gathered from both ranks: every row once, none of the repeated ones
+    assert [int(row["row"]) for row in predictions] == list(range(SMALL_SIZES["test_examples"]))
+    assert accuracy(predictions) == pytest.approx(results["test_acc"], abs=1e-6)
     if launch == "python":
         assert list((tmp_path / "tensorboard").rglob("events.out.tfevents.*"))
 
@@ -160,3 +193,15 @@ def test_early_stop_ends_the_run_and_still_tests_the_best_model(tmp_path):
     assert accuracies[-1] <= max(accuracies[:-1]) and accuracies[-2] <= max(accuracies[:-2])  # two without a gain
     assert results["val_acc"] == max(accuracies)  # the best model is the one tested and exported
     assert (tmp_path / "model" / "config.json").exists()
+
+
+def test_a_line_is_printed_once_per_job_not_once_per_node(monkeypatch, capsys):
+    """Global rank 2 of 2 nodes of 2 processes is its node's first process, where fabric.print prints too."""
+    from lightning.fabric.utilities.rank_zero import rank_zero_only
+
+    from fabric_utils.progress import say
+
+    for rank, line in ((2, "on the second node"), (1, "on rank 1"), (0, "on rank 0")):
+        monkeypatch.setattr(rank_zero_only, "rank", rank)
+        say(line)
+    assert capsys.readouterr().out == "on rank 0\n"

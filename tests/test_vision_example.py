@@ -2,12 +2,14 @@
 else changes, train.py trains a vision transformer on the digits under fsdp2 (its blocks sharded) on two processes,
 and the export rebuilds, through the example's own load_exported, into a model as accurate as the run said."""
 
+import csv
 import importlib.util
 import json
 import shutil
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from conftest import REPO, copy_repo, subprocess_env
@@ -45,3 +47,9 @@ def test_vision_example_trains_under_fsdp2_and_its_export_loads(tmp_path):
     # the run evaluated under its own precision (bf16 autocast where the CPU has it), the export in fp32: at most
     # one row may round the other way
     assert abs(accuracy - results["test_acc"]) <= 1 / len(test) + 1e-6, (accuracy, results["test_acc"])
+    with open(out / "test_predictions.csv", newline="") as f:  # the run's own, from both ranks' shards
+        predictions = list(csv.DictReader(f))
+    assert [int(row["row"]) for row in predictions] == list(range(len(test)))
+    assert [int(row["label"]) for row in predictions] == test.labels.tolist()
+    agreed = sum(row["label"] == row["predicted"] for row in predictions) / len(test)
+    assert agreed == pytest.approx(results["test_acc"], abs=1e-6)

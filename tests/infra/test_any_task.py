@@ -103,6 +103,11 @@ def test_a_run_killed_and_resumed_ends_where_an_uninterrupted_run_ends(tmp_path)
     finally:
         kill_all(jobs)
     assert resumed_step(jobs["resumed"].output()) >= 5
+    killed = jobs["killed"].output()
+    assert "Traceback" not in killed and "its own output says why" not in killed, killed[-3000:]
+    stopped = [line for line in killed.splitlines() if line.startswith("stopping: ")]
+    # rank 0 says it, unless Lightning's launcher, which polls its children every 5 s, killed it first
+    assert stopped in ([], ["stopping: rank 1's process was killed by SIGKILL"]), killed[-3000:]
     assert resumed["steps"] == full["steps"] and full["world_size"] == 2
     scores = [key for key in full if key.startswith(("val_", "test_"))]
     assert {"test_loss", "test_examples", "val_loss"} <= set(scores)

@@ -1,5 +1,7 @@
 """The launcher builds the right Fabric pieces from flags, alone and under `fabric run`."""
 
+import typing
+
 import lightning.fabric.fabric
 import pytest
 import torch
@@ -31,6 +33,17 @@ def test_every_registered_strategy_that_launch_starts_is_a_valid_flag():
     refused = {"ddp_spawn", "ddp_fork", "ddp_notebook", "xla", "xla_fsdp"}
     assert {name for name in STRATEGY_REGISTRY.available_strategies() if not offered(name)} == refused
     assert not offered("ddp_turbo")
+
+
+def test_the_flags_offer_what_fabrics_registries_hold():
+    """fabric_utils/args.py writes the names out so that parsing the flags imports no Lightning."""
+    from lightning.fabric.accelerators import ACCELERATOR_REGISTRY
+    from lightning.fabric.plugins.precision.precision import _PRECISION_INPUT_STR, _PRECISION_INPUT_STR_ALIAS
+
+    from fabric_utils import args
+    assert set(args.ACCELERATORS) == {"auto", *ACCELERATOR_REGISTRY.available_accelerators()}
+    assert args.PRECISIONS == ("auto", *typing.get_args(_PRECISION_INPUT_STR),
+                               *typing.get_args(_PRECISION_INPUT_STR_ALIAS))
 
 
 def offered(strategy: str) -> bool:
@@ -65,7 +78,7 @@ def test_devices_accepts_what_fabric_accepts(devices):
     ("deepspeed_stage_3", DeepSpeedStrategy, {"stage": 3, "offload_optimizer": False}),
     ("deepspeed_stage_3_offload", DeepSpeedStrategy, {"stage": 3, "offload_optimizer": True}),
 ])
-def test_strategy_flags_build_the_strategy(name, cls, expected):
+def test_strategy_flags_build_the_strategy(deepspeed_accepts_cpu, name, cls, expected):
     fabric = fabric_for("--accelerator", "cpu", "--devices", "2", "--strategy", name, "--precision", "32-true",
                         "--grad-clip", "0.5")
     assert type(fabric.strategy) is cls
@@ -226,7 +239,9 @@ def test_fabric_run_settings_win_without_conflict(monkeypatch):
 def test_fabric_run_conflict_says_which_to_remove(monkeypatch):
     fabric_run_env(monkeypatch, accelerator="cpu", devices="2", num_nodes="1")
     with pytest.raises(UserError, match=r"--devices is set twice.*remove --devices from the train.py arguments"):
-        fabric_for("--devices", "3")
+        parse_args(["--devices", "3"])  # before torch loads, so it says so at once
+    with pytest.raises(UserError, match=r"--devices is set twice"):
+        launcher.build_fabric(devices="3")  # as the loop builds it, flags parsed or not
 
 
 def test_fabric_run_conflict_end_to_end(tmp_path):
