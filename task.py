@@ -134,8 +134,8 @@ def setup(args: argparse.Namespace, verbose: bool) -> TaskSpec:
         build_model=build, objective=objective, example_batch=example_batch,
         export=lambda weights, model, folder: export(weights, model, data.tokenizer, folder),
         # the demo's model is a cache in each node's own HOME: its folder differs from node to node
-        meta={"model": "--demo" if args.demo else data.model_source, "labels": data.label_names, "problem_type": data.problem_type,
-              "--dataset": "--demo" if args.demo else args.dataset, "--max-length": args.max_length,
+        meta={"model": "--demo" if args.demo else data.model_source, "labels": data.label_names,
+              "problem_type": data.problem_type, "--dataset": "--demo" if args.demo else args.dataset, "--max-length": args.max_length,
               "--train-size": args.train_size, "--data-seed": args.data_seed},
         sizes={name: split["length"] for name, split in data.splits.items()}, row_sizes=row_lengths,
         max_size=args.max_length, notes=data.notes)
