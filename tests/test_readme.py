@@ -3,7 +3,6 @@
 import json
 import re
 import statistics
-import subprocess
 
 from conftest import REPO
 from train import flag_parser
@@ -30,42 +29,21 @@ def test_quick_start_is_the_ci_command():
     assert "bash scripts/setup.sh" in ci
 
 
-def layout_rows(readme: str) -> list[tuple[list[str], list[str]]]:
-    """The README's layout table: each row's paths (later names in a cell share the first one's folder) and its
-    line counts."""
-    table = readme.split("Layout (lines, purpose", 1)[1].split("\n\n", 2)[1]
-    rows = []
+def layout_paths(readme: str) -> list[str]:
+    """The files and folders the README's layout table names (later names in a cell share the first one's folder)."""
+    table = readme.split("Layout (purpose", 1)[1].split("\n\n", 2)[1]
+    paths = []
     for line in table.splitlines()[2:]:
-        files, lines = line.split("|")[1:3]
-        names = re.findall(r"`([^`]+)`", files)
+        names = re.findall(r"`([^`]+)`", line.split("|")[1])
         folder = names[0].rsplit("/", 1)[0] + "/" if "/" in names[0].rstrip("/") else ""
-        rows.append(([names[0], *(folder + name for name in names[1:])], [n.strip() for n in lines.split(",")]))
-    return rows
+        paths += [names[0], *(folder + name for name in names[1:])]
+    return paths
 
 
-def count_lines(path: str) -> int:
-    files = sorted((REPO / path).glob("*.py")) if path.endswith("/") else [REPO / path]
-    return sum(len(f.read_text().splitlines()) for f in files)
-
-
-def test_the_layout_tables_line_counts_are_the_files():
-    rows = layout_rows((REPO / "README.md").read_text())
-    assert len(rows) > 10
-    wrong = {path: (int(typed), count_lines(path)) for paths, counts in rows for path, typed in zip(paths, counts)
-             if int(typed) != count_lines(path)}
-    assert wrong == {}, "README layout table (typed, actual): " + str(wrong)
-
-
-def swap_diff() -> str:
-    """git's own count of replacing task.py with the example task, as the "Make it yours" table states it."""
-    numstat = subprocess.run(["git", "diff", "--no-index", "--numstat", "task.py", "examples/vision_task.py"],
-                             cwd=REPO, capture_output=True, text=True).stdout
-    added, removed = numstat.split()[:2]
-    return f"one file: `task.py`, {added} insertions(+), {removed} deletions(-)"
-
-
-def test_the_swap_the_readme_states_is_the_measured_diff():
-    assert swap_diff() in (REPO / "README.md").read_text()
+def test_the_layout_table_names_files_that_exist():
+    """Names only: a copier's edit to a file must not fail a test over a figure in the README."""
+    paths = layout_paths((REPO / "README.md").read_text())
+    assert len(paths) > 10 and [path for path in paths if not (REPO / path).exists()] == []
 
 
 def fix_readme() -> None:
