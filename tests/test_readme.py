@@ -46,25 +46,6 @@ def test_the_layout_table_names_files_that_exist():
     assert len(paths) > 10 and [path for path in paths if not (REPO / path).exists()] == []
 
 
-def fix_readme() -> None:
-    """Writes the measured numbers the tests above check into the README (the files' line counts, the swap's diff):
-    ``PYTHONPATH=.:tests python tests/test_readme.py``."""
-    readme = re.sub(r"one file: `task.py`, \d+ insertions\(\+\), \d+ deletions\(-\)", swap_diff(),
-                    (REPO / "README.md").read_text())
-    head, table = readme.split("Layout (lines, purpose", 1)
-    intro, rows, rest = table.split("\n\n", 2)[0], table.split("\n\n", 2)[1], table.split("\n\n", 2)[2]
-    lines = rows.splitlines()
-    for i, (paths, _) in enumerate(layout_rows(readme), start=2):
-        cells = lines[i].split("|")
-        cells[2] = " " + ", ".join(str(count_lines(path)) for path in paths) + " "
-        lines[i] = "|".join(cells)
-    (REPO / "README.md").write_text(head + "Layout (lines, purpose" + "\n\n".join([intro, "\n".join(lines), rest]))
-
-
-if __name__ == "__main__":
-    fix_readme()
-
-
 def test_the_fault_table_names_tests_that_exist():
     """bench/RESULTS.md's fault table (issue 18) says which test injects each fault: each must be there."""
     results = (REPO / "bench" / "RESULTS.md").read_text()
