@@ -135,10 +135,10 @@ def setup(args: argparse.Namespace, verbose: bool) -> TaskSpec:
         export=lambda weights, model, folder: export(weights, model, data.tokenizer, folder),
         # the demo's model is a cache in each node's own HOME: its folder differs from node to node
         meta={"model": "--demo" if args.demo else data.model_source, "labels": data.label_names,
-              "problem_type": data.problem_type, "--dataset": "--demo" if args.demo else args.dataset, "--max-length": args.max_length,
-              "--train-size": args.train_size, "--data-seed": args.data_seed},
+              "problem_type": data.problem_type, "--dataset": "--demo" if args.demo else args.dataset,
+              "--max-length": args.max_length, "--train-size": args.train_size, "--data-seed": args.data_seed},
         sizes={name: split["length"] for name, split in data.splits.items()}, row_sizes=row_lengths,
-        max_size=args.max_length, notes=data.notes)
+        max_size=args.max_length, notes=data.notes, chance_loss=objective.chance_loss(data.splits["train"]["labels"]))
 
 
 def quiet_libraries(bars: bool, logs: bool) -> None:
@@ -334,6 +334,20 @@ class Objective:
 
     def is_better(self, value: float, best: float | None) -> bool:
         return best is None or (value > best if self.higher_is_better else value < best)
+
+    def chance_loss(self, labels) -> float:
+        """The loss of the best output that ignores the inputs, on these labels: their distribution's entropy
+        (single_label; each label's, averaged, for multi_label) or their variance (regression)."""
+        import torch
+
+        labels = torch.as_tensor(labels).double()
+        if self.problem_type == "regression":
+            return labels.var(dim=0, correction=0).mean().item()
+        if self.problem_type == "single_label":
+            p = torch.bincount(labels.long(), minlength=self.num_labels) / len(labels)
+            return -(p * p.log()).nan_to_num().sum().item()  # nan_to_num: 0 log 0 is 0
+        p = labels.mean(dim=0)  # each label's share of the rows
+        return -(p * p.log() + (1 - p) * (1 - p).log()).nan_to_num().mean().item()
 
     def predict(self, logits: torch.Tensor, batch: dict) -> dict[str, torch.Tensor]:
         """Each row's label, prediction and score, as the metrics see them: the class of the largest logit and its
