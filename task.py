@@ -26,16 +26,14 @@ from fabric_utils.args import dropout, non_negative_int, positive_float, positiv
 from fabric_utils.errors import UserError
 from fabric_utils.task_spec import TaskSpec
 
-# --lr's default, by the model's width (hidden size): smaller encoders fine-tune at larger rates. Each entry is the
-# widest model it covers. 384 and below: 1.5e-4, measured on all-MiniLM-L6-v2 (22M parameters), the only pretrained
-# model available offline (bench/RESULTS.md: issues 10 and 19). Up to 768, base size (BERT, DistilBERT, RoBERTa,
-# 66-125M): 5e-5, the article's rate for DistilBERT (~93% on IMDB) and the top of the BERT paper's fine-tuning grid
-# (5e-5, 3e-5, 2e-5). Wider (large, 1024+): 2e-5, inside that grid and RoBERTa-large's (1e-5 to 3e-5)
+# --lr's default, by the model's width (hidden size), as each entry is the widest model it covers: smaller encoders
+# fine-tune at larger rates. 384 and below: measured on all-MiniLM-L6-v2; up to 768 (base size): the published
+# DistilBERT and BERT recipes; wider (large): inside BERT's and RoBERTa-large's fine-tuning grids
 LR_BY_WIDTH = ((384, 1.5e-4), (768, 5e-5), (float("inf"), 2e-5))
 # the demo's tiny model starts from random weights: it needs a far larger learning rate than fine-tuning. One epoch
 # (200 steps) reaches test accuracy 0.99+, so the demo takes about a minute
 DEMO_DEFAULTS = {"lr": 2e-3, "epochs": 1}
-# LoRA trains a few small matrices, B from zero: it needs a far larger rate than full fine-tuning (bench/RESULTS.md)
+# LoRA trains a few small matrices, B from zero: it needs a far larger rate than full fine-tuning
 LORA_DEFAULTS = {"lr": 5e-3}
 PRESETS = {"demo": DEMO_DEFAULTS, "lora_r": LORA_DEFAULTS}
 # a small offline run that learns (test accuracy ~0.9) in 100 steps of a few milliseconds: the infrastructure tests
@@ -73,8 +71,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--data-seed", type=int, help="seed that draws the subsets and carves the validation rows "
                    "(default: --seed); fix it to train with other --seeds on the same rows")
     g.add_argument("--max-length", type=positive_int, default=512, help="truncate texts to this many tokens")
-    g.add_argument("--pad-to-max-length", action="store_true", help="pad every row to --max-length (the article's "
-                   "recipe; slow)")
+    g.add_argument("--pad-to-max-length", action="store_true", help="pad every row to --max-length (slow: "
+                   "most rows are shorter)")
     g.add_argument("--pad-to-multiple-of", type=positive_int, default=8,
                    help="round each batch's padded length up to a multiple of this (tensor-core friendly)")
 
@@ -84,13 +82,13 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default="distilbert-base-uncased", help="hub id or local folder")
     g.add_argument("--attention-dropout", type=dropout, default=0.0,
                    help="attention-probability dropout, or 'model' for the model's own; 0 skips drawing a random "
-                        "mask over every attention matrix, which halved the step time on CPU (bench/RESULTS.md)")
+                        "mask over every attention matrix, which is slow")
     g.add_argument("--hidden-dropout", type=dropout, default="model",
                    help="hidden-state dropout, or 'model' for the model's own")
 
     g = parser.add_argument_group("LoRA: train low-rank adapters and the classification head, the rest frozen")
     g.add_argument("--lora-r", type=non_negative_int, default=0,
-                   help="adapter rank (8 is typical); 0 trains every weight. Sets --lr's default to "
+                   help="adapter rank (8 is typical; 0 trains every weight), which sets --lr's default to "
                         f"{LORA_DEFAULTS['lr']}")
     g.add_argument("--lora-alpha", type=positive_float, help="adapter scale: updates are multiplied by alpha / r "
                    "(default 2 x r, so the scale and the right --lr stay the same when r changes)")
@@ -135,10 +133,10 @@ def setup(args: argparse.Namespace, verbose: bool) -> TaskSpec:
         export=lambda weights, model, folder: export(weights, model, data.tokenizer, folder),
         # the demo's model is a cache in each node's own HOME: its folder differs from node to node
         meta={"model": "--demo" if args.demo else data.model_source, "labels": data.label_names,
-              "problem_type": data.problem_type, "--dataset": "--demo" if args.demo else args.dataset, "--max-length": args.max_length,
-              "--train-size": args.train_size, "--data-seed": args.data_seed},
+              "problem_type": data.problem_type, "--dataset": "--demo" if args.demo else args.dataset,
+              "--max-length": args.max_length, "--train-size": args.train_size, "--data-seed": args.data_seed},
         sizes={name: split["length"] for name, split in data.splits.items()}, row_sizes=row_lengths,
-        max_size=args.max_length, notes=data.notes)
+        max_size=args.max_length, notes=data.notes, chance_loss=objective.chance_loss(data.splits["train"]["labels"]))
 
 
 def quiet_libraries(bars: bool, logs: bool) -> None:
@@ -334,6 +332,20 @@ class Objective:
 
     def is_better(self, value: float, best: float | None) -> bool:
         return best is None or (value > best if self.higher_is_better else value < best)
+
+    def chance_loss(self, labels) -> float:
+        """The loss of the best output that ignores the inputs, on these labels: their distribution's entropy
+        (single_label; each label's, averaged, for multi_label) or their variance (regression)."""
+        import torch
+
+        labels = torch.as_tensor(labels).double()
+        if self.problem_type == "regression":
+            return labels.var(dim=0, correction=0).mean().item()
+        if self.problem_type == "single_label":
+            p = torch.bincount(labels.long(), minlength=self.num_labels) / len(labels)
+            return -(p * p.log()).nan_to_num().sum().item()  # nan_to_num: 0 log 0 is 0
+        p = labels.mean(dim=0)  # each label's share of the rows
+        return -(p * p.log() + (1 - p) * (1 - p).log()).nan_to_num().mean().item()
 
     def predict(self, logits: torch.Tensor, batch: dict) -> dict[str, torch.Tensor]:
         """Each row's label, prediction and score, as the metrics see them: the class of the largest logit and its

@@ -231,7 +231,7 @@ def fit(fabric, args, state, loaders, preemption, ckpt_dir, max_steps, steps_per
     objective = job.objective
     progress = Progress(fabric, max_steps, args.quiet, metrics=objective.make_metrics(),
                         steps_per_epoch=steps_per_epoch, rows_per_step=state["meta"][ROWS_PER_STEP],
-                        start_step=state["step"])
+                        start_step=state["step"], chance_loss=job.chance_loss)
     monitor = Throughput(fabric, args.peak_tflops, flops_of, sized=job.row_sizes is not None)
     if args.compile:
         warm_up(fabric, model, optimizer, batch=next(iter(train_loader)),
@@ -298,6 +298,10 @@ def log_step(fabric, progress, monitor, step, lr, max_lr) -> None:
                         f"keep --grad-clip on, or use --precision bf16-mixed/32-true")
     monitor.log(step)  # throughput and MFU, to the loggers
     progress.show()
+    if progress.stuck_at_chance():
+        say(f"the training loss has stayed at chance level ({progress.chance_loss:.3g}: what a model that ignores "
+            f"its inputs scores) for the first {step} of {progress.total} steps: the model is not learning; try a "
+            f"lower --lr (now {max_lr:g})")
 
 
 def validate(fabric, model, loader, objective, step, show) -> dict:

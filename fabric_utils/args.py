@@ -157,18 +157,13 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     g.add_argument("--optimizer", choices=("adamw", "adam"), default="adamw")
     g.add_argument("--weight-decay", type=non_negative_float, default=0.01, help="AdamW decoupled weight decay")
     g.add_argument("--scheduler", choices=("linear", "cosine", "one-cycle", "constant"), default="linear",
-                   help="learning-rate schedule after warm-up. linear (to --min-lr-rate): cosine did as well and "
-                        "constant worse in the issue-10 study (bench/RESULTS.md)")
+                   help="learning-rate schedule after warm-up (linear and cosine end at --min-lr-rate)")
     g.add_argument("--warmup", type=non_negative_float, default=0.06,
-                   help="warm-up length: a fraction of all steps if below 1, else a step count. 6%% (RoBERTa's "
-                        "fine-tuning recipe): short runs spend fewer steps far below the peak rate than with 10%%, "
-                        "with test accuracy as good (bench/RESULTS.md, issue 10)")
+                   help="warm-up length, a fraction of all steps if below 1 or else a step count (6%%, RoBERTa's "
+                        "recipe, keeps short runs near the peak rate)")
     g.add_argument("--min-lr-rate", type=probability, default=0.3,
-                   help="where linear and cosine decay end, as a fraction of the peak rate. 0.3: a short fine-tune "
-                        "still learns fast when it ends, and decaying to 0 wasted its last steps (issue 19: 600 rows "
-                        "level with the article's recipe over 15 runs where 0 was 1.8 points lower; 2,000 rows "
-                        "within its bar; at 3 epochs, 114 steps, 0 did 2.4 points better: try 0 for runs of 100+ "
-                        "steps; bench/RESULTS.md)")
+                   help="where linear and cosine decay end, as a fraction of the peak rate (a short fine-tune still "
+                        "learns fast at its end; try 0 for runs of 100 steps or more)")
     g.add_argument("--grad-clip", type=non_negative_float, default=1.0, help="max gradient norm (0 disables)")
     g.add_argument("--seed", type=int, default=123)
 
@@ -185,8 +180,7 @@ def build_parser(description: str) -> argparse.ArgumentParser:
                    "and processes per node)")
     g.add_argument("--peak-tflops", type=positive_float,
                    help="peak dense TFLOP/s of one device in the training precision, for MFU where Fabric does not "
-                        "know it: CPUs, and GPUs missing from its table (it warns 'FLOPs not found'), e.g. an H200, "
-                        "which reports itself as 'NVIDIA H200' (989 for bf16, as an H100 SXM)")
+                        "know it (CPUs, and GPUs it warns 'FLOPs not found' for, such as an H200: 989 for bf16)")
 
     g = p.add_argument_group("evaluation, checkpoints and output")
     g.add_argument("--val-every", type=positive_int, help="also validate every N optimizer steps")

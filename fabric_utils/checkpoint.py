@@ -128,9 +128,8 @@ def _deepspeed_weights_only(fabric, state: dict):
 
 def load_weights(fabric, path: Path, model) -> None:
     """The model's weights from a checkpoint's ``state`` into the set-up ``model`` (the best model, once training
-    is over). Asked for the weights alone, ZeRO-3 builds the whole fp32 model on every rank from every rank's files
-    (tests/test_memory_scaling.py's 110M model, fully fine-tuned: a rank peaked 40% above its training peak there,
-    bench/RESULTS.md); asked for its optimizer too, each rank reads its own file only. The optimizer's moments then
+    is over). Asked for the weights alone, ZeRO-3 builds the whole fp32 model on every rank from every rank's files,
+    well above a rank's training peak; asked for its optimizer too, each rank reads its own file only. The optimizer's moments then
     become the file's, none for a checkpoint written without an optimizer: no more steps can be taken after this."""
     state = {"model": model}
     if isinstance(fabric.strategy, DeepSpeedStrategy) and fabric.strategy.zero_stage_3:

@@ -130,8 +130,8 @@ def auto_precision(accelerator: str, strategy: str = "auto") -> str:
 
 def cpu_has_amx() -> bool:
     """AMX (its bf16 tiles): the CPUs on which bf16-mixed trains faster than fp32. AVX512-BF16 alone is not enough:
-    on a Xeon with it and no AMX, bf16-mixed trained 1.7x slower than fp32 side by side (bench/RESULTS.md, issue 19);
-    with neither, PyTorch emulates bf16 matrix products."""
+    on a Xeon with it and no AMX, bf16-mixed trained slower than fp32; with neither, PyTorch emulates bf16 matrix
+    products."""
     try:
         flags = Path("/proc/cpuinfo").read_text().split()
     except OSError:  # not Linux: no cheap way to tell, and fp32 is the safe choice

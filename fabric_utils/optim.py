@@ -8,9 +8,9 @@ import torch
 def build_optimizer(model, name: str, lr: float, weight_decay: float, device: torch.device,
                     offload: bool = False, loss_scaling: bool = False,
                     shapes: dict[str, torch.Size] | None = None) -> torch.optim.Optimizer:
-    """AdamW (decoupled weight decay, none on biases and norms) with fused kernels on CUDA and CPU (on a CPU, 10x
-    faster than the multi-tensor kernel: bench/RESULTS.md) and multi-tensor (foreach) kernels elsewhere; ``adam``
-    is the article's plain Adam, with torch's default kernel. Under ``loss_scaling`` (16-mixed) AdamW keeps the
+    """AdamW (decoupled weight decay, none on biases and norms) with fused kernels on CUDA and CPU (on a CPU, far
+    faster than the multi-tensor kernel) and multi-tensor (foreach) kernels elsewhere; ``adam`` is plain Adam, with
+    torch's default kernel. Under ``loss_scaling`` (16-mixed) AdamW keeps the
     foreach kernel: Fabric's loss scaler unscales before clipping, which fused kernels refuse. With ``offload``
     (DeepSpeed's ZeRO-Offload) the step runs on the CPU copy of the weights, where DeepSpeed accepts only its own
     vectorized CPU Adam: the same update, the same groups. ``shapes`` (by parameter name) are the shapes the
@@ -48,8 +48,8 @@ def count_warmup_steps(warmup: float, max_steps: int) -> int:
 
 
 def build_scheduler(optimizer, name: str, lr: float, max_steps: int, warmup_steps: int, min_lr_rate: float = 0.0):
-    """Linear warm-up from 0, then linear decay, half a cosine, or the peak kept (``constant``, the article's fixed
-    rate after any warm-up): the schedules of transformers' ``get_scheduler``. The decay ends at ``min_lr_rate`` x the
+    """Linear warm-up from 0, then linear decay, half a cosine, or the peak kept (``constant``: a fixed rate after
+    any warm-up): the schedules of transformers' ``get_scheduler``. The decay ends at ``min_lr_rate`` x the
     peak (transformers' ``cosine_with_min_lr`` name). ``one-cycle`` is PyTorch's OneCycleLR with the warm-up as its
     rising phase."""
     if name == "one-cycle":

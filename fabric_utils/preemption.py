@@ -4,8 +4,8 @@ it. A second Ctrl-C stops at once. A signal that comes once the loop has ended i
 
 Both ways out (``Preemption.exit`` and ``Preemption.close``) end every rank in the same order: the loaders' worker
 processes stopped, a barrier (no collective left in flight), the process group destroyed, then the exit. Left to
-interpreter teardown, these were seen to kill a rank of a preempted SLURM job in C++ (``terminate called without an
-active exception``): srun then reported 134 instead of 75, and the job was not requeued."""
+interpreter teardown, they can kill a rank in C++ (``terminate called without an active exception``), which turns
+status 75 into 134 and a requeue into a failed job."""
 
 import os
 import signal

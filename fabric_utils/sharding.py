@@ -107,11 +107,10 @@ def gather_one_block_at_a_time(zero_config: dict, model: nn.Module) -> None:
     """ZeRO-3 gathers each module's weights for its forward and for its backward and frees them in between, as FSDP
     does with its units, but keeps a gathered weight that is used again within ``stage3_max_reuse_distance``
     parameters, 1e9 by default: after the first step (which records the order) every rank of a model under a
-    billion parameters kept the whole model gathered (1.0x a ddp rank's peak with LoRA, bench/RESULTS.md). Its
-    gradients go through a reduce bucket of Lightning's 2e8 elements, more than a small model's. Sized to the
-    largest block instead (the largest module without children for a model without blocks): a rank holds about the
-    block it computes and the next one, prefetched. Small weights (biases, norms: under
-    ``stage3_param_persistence_threshold``) stay gathered, as before."""
+    billion parameters kept the whole model gathered, as much as a ddp rank holds. Its gradients go through a reduce
+    bucket of Lightning's 2e8 elements, more than a small model's. Sized to the largest block instead (the largest
+    module without children for a model without blocks): a rank holds about the block it computes and the next one,
+    prefetched. Small weights (biases, norms: under ``stage3_param_persistence_threshold``) stay gathered."""
     blocks = find_block_classes(model)
     units = [module for module in model.modules()
              if isinstance(module, blocks) or (not blocks and next(module.children(), None) is None)]

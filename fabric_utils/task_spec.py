@@ -76,3 +76,6 @@ class TaskSpec:
     max_size: int | None = None  # the largest row size (max tokens): FLOPs are fitted up to it, batches probed at it
     blocks: tuple[type, ...] = ()  # the model's repeated blocks: sharded one by one, recomputed in backward
     notes: list[str] = field(default_factory=list)  # what preparing the data did that a user should know
+    # the training loss of the best output that ignores the inputs (chance level): a run whose loss stays there is said
+    # not to learn
+    chance_loss: float | None = None

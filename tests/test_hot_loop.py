@@ -7,6 +7,7 @@ import inspect
 import os
 import pickle
 import signal
+import sys
 import textwrap
 import traceback
 
@@ -16,7 +17,7 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 from torch.overrides import TorchFunctionMode
 
 import train
-from conftest import REPO, SMALL_DEMO, train as train_run
+from conftest import REPO, SMALL_DEMO, run, train as train_run
 from data.tokenize import make_collator
 
 # Tensor methods that read a value back to the host: on a GPU each one waits for every queued kernel
@@ -152,3 +153,12 @@ def test_a_loss_gone_non_finite_on_one_rank_is_seen_by_every_rank(tmp_path):
     mp.start_processes(_log_on_rank, args=(port, results), nprocs=2, start_method="spawn")
     assert all(torch.isnan(torch.tensor(results[r])) for r in (0, 1)), dict(results)
 
+
+
+def test_a_run_that_never_leaves_chance_level_is_said_to_be_stuck(tmp_path):
+    """At a far too high learning rate the loss stays where a model that ignores its inputs is: one line says so,
+    two thirds into the run, and names --lr. The demo, which learns, never says it (test_train.py)."""
+    done = run([sys.executable, "train.py", *SMALL_DEMO, "--lr", "1", "--max-steps", "24", "--log-every", "4",
+                "--out-dir", str(tmp_path)])
+    said = [line for line in done.stdout.splitlines() if "chance level" in line]
+    assert len(said) == 1 and "for the first 16 of 24 steps" in said[0] and "lower --lr (now 1)" in said[0], said
