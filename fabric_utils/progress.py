@@ -37,7 +37,7 @@ def shows_bars(fabric, quiet: bool, verbose: bool) -> bool:
 
 
 STUCK_WITHIN = 0.98  # a loss above 98% of chance level has not left it
-STUCK_SHARE = 2 / 3  # of the run's steps, after which a loss still at chance level is said
+STUCK_SHARE = 3 / 4  # of the run's steps, after which a loss still at chance level is said
 
 
 class Progress:
@@ -94,9 +94,9 @@ class Progress:
         return logged
 
     def stuck_at_chance(self) -> bool:
-        """True once, at the log step two thirds into the run, if the training loss has not left chance level
+        """True once, at the log step three quarters into the run, if the training loss has not left chance level
         (what a model that ignores its inputs scores) at any log step: a run that never learns. Fine-tunes leave it
-        within the first steps; a model trained from random weights may take half the run."""
+        within the first steps; a model trained from random weights may take more than half the run."""
         stuck = (self.chance_loss is not None and not self.left_chance and not self.said_stuck
                  and self.step >= STUCK_SHARE * self.total)
         self.said_stuck |= stuck
