@@ -73,11 +73,16 @@ def test_fabric_run_on_two_nodes_from_cold_caches_ends_like_one_node(cluster, on
         assert (cluster.home(node) / ".cache" / "fabric-template" / "demo" / "model" / "model.safetensors").exists()
 
 
+def two_nodes(cluster, root, out, *flags, cold=False, env=None) -> Nodes:
+    """``python train.py --num-nodes 2`` on each node, told its rank by NODE_RANK and the main node by MASTER_ADDR."""
+    env = node_env(MASTER_ADDR="node1", MASTER_PORT=str(next(ports)), NODE_RANK=str, **(env or {}))
+    return Nodes(cluster, root, [[sys.executable, TRAIN, *TINY, "--num-nodes", "2", "--devices", "1", "--out-dir", out,
+                                  *flags]] * 2, env, cwd=REPO, cold=cold)
+
+
 def test_python_train_py_on_each_node_with_node_rank_ends_like_one_node(cluster, one_node, tmp_path):
     out = tmp_path / "run"
-    env = node_env(MASTER_ADDR="node1", MASTER_PORT=str(next(ports)), NODE_RANK=str)
-    nodes = Nodes(cluster, tmp_path, [[sys.executable, TRAIN, *TINY, "--num-nodes", "2", "--devices", "1",
-                                       "--out-dir", out]] * 2, env, cwd=REPO)
+    nodes = two_nodes(cluster, tmp_path, out, cold=True)
     assert nodes.wait() == [0, 0], nodes.output()
     assert_like_one_node(json.loads((out / "results.json").read_text()), one_node[2])
 

@@ -14,14 +14,8 @@ import pytest
 from cluster import Nodes
 from conftest import REPO, node_env, resumed_step
 from fabric_utils.preemption import EXIT_PREEMPTED, STATUS_FILE
-from test_multinode import TRAIN, assert_like_one_node, one_node_results, ports
+from test_multinode import TRAIN, assert_like_one_node, one_node_results, two_nodes
 from test_resilience import TINY
-
-
-def two_nodes(cluster, root, out, *flags, cold=False, env=None) -> Nodes:
-    env = node_env(MASTER_ADDR="node1", MASTER_PORT=str(next(ports)), NODE_RANK=str, **(env or {}))
-    return Nodes(cluster, root, [[sys.executable, TRAIN, *TINY, "--num-nodes", "2", "--devices", "1", "--out-dir", out,
-                                  *flags]] * 2, env, cwd=REPO, cold=cold)
 
 
 @pytest.mark.parametrize("lost", [0, 1])
