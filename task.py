@@ -348,17 +348,18 @@ class Objective:
         return -(p * p.log() + (1 - p) * (1 - p).log()).nan_to_num().mean().item()
 
     def predict(self, logits: torch.Tensor, batch: dict) -> dict[str, torch.Tensor]:
-        """Each row's label, prediction and score, as the metrics see them: the class of the largest logit and its
+        """Each row's label (where the batch has labels), prediction and score, as the metrics see them: the class of the largest logit and its
         probability (single_label); each label of probability above 0.5, and each one's probability
         (multi_label); the predicted value (regression)."""
-        labels, logits = batch["labels"], logits.float()
+        logits = logits.float()
+        label = {"label": batch["labels"]} if "labels" in batch else {}  # new rows to predict have none
         if self.problem_type == "single_label":
             score, predicted = logits.softmax(dim=-1).max(dim=-1)
-            return {"label": labels, "predicted": predicted, "score": score}
+            return {**label, "predicted": predicted, "score": score}
         if self.problem_type == "multi_label":
             score = logits.sigmoid()
-            return {"label": labels.int(), "predicted": (score > 0.5).int(), "score": score}
-        return {"label": labels, "predicted": logits}
+            return {**{k: v.int() for k, v in label.items()}, "predicted": (score > 0.5).int(), "score": score}
+        return {**label, "predicted": logits}
 
     def step_loss(self, model, batch: dict) -> torch.Tensor:
         return self.loss(self.forward(model, batch), batch)
@@ -377,6 +378,39 @@ class Objective:
 def row_lengths(batch: dict) -> torch.Tensor:
     """Tokens per row that are not padding: what throughput (tokens/s) and MFU count."""
     return batch["attention_mask"].sum(dim=1)
+
+
+# ---- predictions on new rows: predict.py ------------------------------------------------------------------------------
+def predict(folder: Path, source: Path, flags: dict, batch_size: int) -> dict[str, torch.Tensor]:
+    """The exported model's (``folder``) predictions for each row of the file ``source``, whose texts are read as the
+    run that trained the model read its data (``flags``: its config.yaml): ``Objective.predict``'s columns and each
+    row's index."""
+    import datasets
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    from data.sources import read_rows
+    from data.tokenize import make_collator, tokenize_splits
+
+    quiet_libraries(bars=False, logs=False)
+    rows = read_rows(source)
+    texts = [column for column in (flags["text_column"], flags["text_pair_column"]) if column]
+    missing = [column for column in texts if column not in rows.column_names]
+    if missing:
+        raise UserError(f"{source} has no column {missing[0]!r} (its columns: {rows.column_names}); the model was "
+                        f"trained on {' and '.join(texts)}")
+    tokenizer = load_tokenizer(str(folder))
+    model = AutoModelForSequenceClassification.from_pretrained(folder).eval()
+    objective = Objective({hf: name for name, hf in HF_PROBLEM_TYPES.items()}[model.config.problem_type],
+                          num_labels=model.config.num_labels)
+    inputs = tokenize_splits(datasets.DatasetDict(rows=rows.select_columns(texts)), tokenizer, flags["text_column"],
+                             flags["max_length"], flags["text_pair_column"])["rows"].remove_columns("length")
+    collate = make_collator(tokenizer, False, flags["max_length"], flags["pad_to_multiple_of"])
+    predicted = []
+    with torch.no_grad():
+        for batch in torch.utils.data.DataLoader(inputs, batch_size=batch_size, collate_fn=collate):
+            predicted.append(objective.predict(objective.forward(model, batch), batch))
+    return {"row": torch.arange(len(rows)), **{name: torch.cat([b[name] for b in predicted]) for name in predicted[0]}}
 
 
 # ---- export ----------------------------------------------------------------------------------------------------------

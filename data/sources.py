@@ -156,6 +156,14 @@ def _rows(count: int) -> str:
     return f"{count} row{'s' * (count != 1)}"
 
 
+def read_rows(path: Path) -> datasets.Dataset:
+    """One local file's rows, whatever columns it has: rows to predict."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise UserError(f"{path} is not a file: pass a {', '.join(sorted(LOCAL_FORMATS))} file")
+    return _load_local({"rows": path})["rows"]
+
+
 def _load_raw(source) -> tuple[datasets.DatasetDict, dict[str, Path]]:
     """The source's splits, and for local files, the file of each split."""
     path = Path(source).expanduser()

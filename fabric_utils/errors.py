@@ -1,8 +1,10 @@
 """User-facing errors: one line that says what to change, printed once, no traceback, a non-zero exit."""
 
 import functools
+import json
 import os
 import sys
+import time
 
 EXIT_USER_ERROR = 2
 EXIT_PEER_FAILED = 1
@@ -31,9 +33,10 @@ def exit_on_user_error(main):
         try:
             return main(*args, **kwargs)
         except UserError as err:
+            where = f" (rank {err.rank})" if err.rank else ""
             if err.rank is not None or _global_rank() == 0:
-                where = f" (rank {err.rank})" if err.rank else ""
                 print(f"error{where}: {err}", file=sys.stderr, flush=True)
+            tell_torchrun(f"error{where}: {err}")
             sys.exit(EXIT_USER_ERROR)
         except Exception as err:
             if not isinstance(err, PeerLost) and not lost_a_peer(err):
@@ -43,6 +46,16 @@ def exit_on_user_error(main):
                       file=sys.stderr, flush=True)
             sys.exit(EXIT_PEER_FAILED)
     return wrapper
+
+
+def tell_torchrun(line: str) -> None:
+    """Under torchrun (and ``fabric run``, which runs it) a failed process's error file is what its failure report
+    shows as the cause, in place of a hint to enable tracebacks."""
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        record = {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}
+        with open(error_file, "w") as file:
+            json.dump({"message": record}, file)
 
 
 def lost_a_peer(err: Exception) -> bool:

@@ -16,6 +16,10 @@ A task module provides:
   It may fill in a loop flag whose default it set to None in ``add_args`` from what it loads (a learning rate for
   the model's size): the loop reads it after ``setup``, and ``config.yaml`` records the value.
 
+- ``predict(folder, file, flags, batch_size)`` (optional, for ``predict.py``): the exported model's (``folder``)
+  ``Objective.predict`` columns, and a ``"row"`` index, for each row of a file, read as the run read its data
+  (``flags``: the run's config.yaml).
+
 A model built by ``TaskSpec.build_model`` must take a batch through ``objective.forward`` and give outputs that
 ``objective.loss`` and the metrics take; batches are dicts of tensors, rows first, with the targets under
 ``"labels"`` (the loop scores exactly the real rows of each evaluation batch by slicing every tensor along its first

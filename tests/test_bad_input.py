@@ -305,6 +305,13 @@ def test_help_and_a_bad_flag_answer_at_once(flags):
         assert done.stderr == "error: argument --warmup: must be zero or positive, got -0.5\n"
 
 
+def test_predict_on_a_folder_that_holds_no_run_is_one_line(tmp_path):
+    done = subprocess.run([sys.executable, "predict.py", str(tmp_path), str(tmp_path / "rows.csv")], cwd=ROOT,
+                          env=subprocess_env(), capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and not done.stdout and done.stderr.splitlines() == [
+        f"error: {tmp_path / 'model'} does not exist: pass the folder of a run that finished (it exports model/)"]
+
+
 def run_job(command: list, out_dir: Path) -> subprocess.CompletedProcess:
     """Runs ``command`` in its own process group and checks that every process of the job has ended with it."""
     proc = subprocess.Popen(command, cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -332,7 +339,7 @@ def test_deepspeed_on_cpu_stops_before_any_process_starts(tmp_path):
 def test_a_setting_fabric_run_took_twice_is_said(tmp_path):
     """`fabric run` reads its options even after the script's name and takes the last: `--devices 2 train.py ...
     --devices 1` ran one process without a word. Its processes have started when the script can tell, so torchrun's
-    own report of a failed worker follows the line."""
+    own report of a failed worker follows the line: it names the line as the root cause."""
     out, port = tmp_path / "run", str(29500 + os.getpid() % 1000)  # not torchrun's default: other jobs may hold it
     done = run_job([fabric_cli(), "run", "--main-port", port, "--accelerator", "cpu", "--devices", "2", "train.py",
                     "--demo", *QUICK, "--out-dir", str(out), "--devices", "1"], out)
@@ -340,3 +347,5 @@ def test_a_setting_fabric_run_took_twice_is_said(tmp_path):
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert errors == ["error: --devices is given to `fabric run` twice (2 and 1), and it took the last (1) even if it "
                       "came after train.py; give --devices once"], done.stderr[-3000:]
+    root_cause = done.stderr.split("Root Cause")[-1]
+    assert f"traceback : {errors[0]}" in root_cause, done.stderr[-3000:]

@@ -1,0 +1,44 @@
+"""Predictions of a trained run's model for the rows of any file, read as the run read its data.
+
+    .venv/bin/python predict.py RUN_FOLDER FILE                  # writes RUN_FOLDER/predictions.csv
+
+The columns are those of the run's test_predictions.csv but the label (the row's index in FILE, the prediction, its
+score): FILE needs no labels. The task (``task.predict``) says how its exported model reads a file.
+"""
+
+import argparse
+from pathlib import Path
+
+import yaml
+
+import task
+from fabric_utils.args import Parser, positive_int
+from fabric_utils.errors import UserError, exit_on_user_error
+
+
+@exit_on_user_error
+def main(argv=None) -> Path:
+    parser = Parser(description=__doc__.splitlines()[0])
+    parser.add_argument("run", type=Path, help="a finished run's folder: its model/ and config.yaml")
+    parser.add_argument("file", type=Path, help="the rows to predict, in a format --dataset reads")
+    parser.add_argument("--out", type=Path, help="the CSV to write (default: RUN_FOLDER/predictions.csv)")
+    parser.add_argument("--batch-size", type=positive_int, default=32, help="rows per forward pass")
+    args = parser.parse_args(argv)
+    if not hasattr(task, "predict"):
+        raise UserError("this task.py has no predict(): the run's test_predictions.csv holds its test split's")
+    for needed in (args.run / "model", args.run / "config.yaml"):
+        if not needed.exists():
+            raise UserError(f"{needed} does not exist: pass the folder of a run that finished (it exports model/)")
+    flags = yaml.safe_load((args.run / "config.yaml").read_text())  # the run's first segment: how it read its data
+    columns = task.predict(args.run / "model", args.file, flags, batch_size=args.batch_size)
+
+    from fabric_utils.run_folder import write_predictions  # here: the libraries load only for a valid command
+
+    out = args.out or args.run / "predictions.csv"
+    write_predictions(out, columns)
+    print(f"{len(columns['row'])} predictions in {out}")
+    return out
+
+
+if __name__ == "__main__":
+    main()
