@@ -47,8 +47,8 @@ def test_the_layout_table_names_files_that_exist():
 
 
 def test_the_fault_table_names_tests_that_exist():
-    """bench/RESULTS.md's fault table (issue 18) says which test injects each fault: each must be there."""
-    results = (REPO / "bench" / "RESULTS.md").read_text()
+    """docs/studies/RESULTS.md's fault table (issue 18) says which test injects each fault: each must be there."""
+    results = (REPO / "docs" / "studies" / "RESULTS.md").read_text()
     table = results[results.index("## Issue 18: fault table"):]
     named = re.findall(r"`(tests/[\w/]+\.py)::(test_\w+)`", table)
     assert len(named) > 20
@@ -72,7 +72,7 @@ def test_the_speed_sections_issue_19_rows_are_the_studys_reports():
     and its time ratio (median draw) are recomputed from the report's per-draw numbers."""
     default = "default+--group-by-length --min-lr-rate 0.3"  # spelled out: the study's "default" runs predate it
     rows = [line.split("|")[2:-1] for line in (REPO / "README.md").read_text().splitlines()
-            if re.match(r"\| [^|]+ \| `bench/study_issue19_\w+\.json` \|", line)]
+            if re.match(r"\| [^|]+ \| `docs/studies/study_issue19_\w+\.json` \|", line)]
     assert len(rows) >= 3
 
     def accuracy(row: dict) -> str:
