@@ -201,3 +201,11 @@ def test_the_your_data_example_runs(tmp_path):
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     results = json.loads((tmp_path / "runs" / "bbc" / "results.json").read_text())
     assert "test_acc" in results and (tmp_path / "runs" / "bbc" / "model" / "config.json").exists()
+
+
+def test_every_study_report_is_in_the_index():
+    folder = REPO / "docs" / "studies"
+    index = (folder / "README.md").read_text()
+    named = set(re.findall(r"`([\w.-]+)`", index))
+    reports = {re.sub(r"\.(json|md)$", "", path.name) for path in folder.iterdir()}
+    assert reports - {"README", "RESULTS"} - named == set()
