@@ -209,3 +209,19 @@ def test_every_study_report_is_in_the_index():
     named = set(re.findall(r"`([\w.-]+)`", index))
     reports = {re.sub(r"\.(json|md)$", "", path.name) for path in folder.iterdir()}
     assert reports - {"README", "RESULTS"} - named == set()
+
+
+def test_the_time_to_accuracy_tables_accuracies_are_the_reports():
+    """docs/speed.md's time-to-accuracy table: each accuracy (mean ± std over seeds) is one configuration's in the
+    reports it names."""
+    text = (REPO / "docs" / "speed.md").read_text()
+    section = text[text.index("## Time to accuracy"):text.index("## Per technique")]
+    reports = re.findall(r"`(docs/studies/study_\w+\.json)`", section)
+    known = set()
+    for report in reports:
+        for setting in json.loads((REPO / report).read_text())["settings"].values():
+            known |= {f"{statistics.mean(row['test_acc']):.3f} ± {statistics.stdev(row['test_acc']):.3f}"
+                      for row in setting["rows"].values() if len(row["test_acc"]) > 1}
+    stated = re.findall(r"\d\.\d{3} ± \d\.\d{3}", section)
+    assert len(reports) == 2 and len(stated) >= 8
+    assert set(stated) - known == set()
