@@ -1,6 +1,6 @@
 """Where a training step's time goes: torch.profiler over a few steps of the default configuration (the template's
 AdamW, and the precision --precision auto picks on this machine), with real IMDB rows, so the MFU in
-bench/RESULTS.md can be explained op by op.
+docs/studies/RESULTS.md can be explained op by op.
 
     python bench/profile_step.py --length 304 --batch-size 16 --steps 4 [--attention-dropout 0.1]
 """

@@ -83,7 +83,8 @@ def parse_args(argv=None):
     p.add_argument("--max-length", type=int, default=512)
     p.add_argument("--seed", type=int, default=123)
     p.add_argument("--rows", help="comma list of row numbers to run (default: all); 0 is the article recipe")
-    p.add_argument("--table", default=str(ROOT / "bench" / "table.md"), help="where to write the markdown table")
+    p.add_argument("--table", default=str(ROOT / "docs" / "studies" / "table.md"),
+                   help="where to write the markdown table (and its .json beside it)")
     return p.parse_args(argv)
 
 

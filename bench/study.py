@@ -4,7 +4,7 @@ process at a time, summarised as markdown tables.
     python bench/study.py --configs article,default,lr2e-4 --seeds 1,2,3 --train-sizes 600
     python bench/study.py --configs article,default --train-sizes 2000 --epochs 3 --max-length 512
     python bench/study.py --configs default,article --seeds 1,2,3,4,5 --val-size 120 --test-size 400 \
-        --precision 32-true --vals-per-epoch 0     # issue 19: the article's protocol, the final model tested
+        --precision 32-true --vals-per-epoch 0 --report docs/studies/study_NAME   # Raschka's protocol
 
 Each run validates about --vals-per-epoch times per epoch and logs every step, so its metrics.csv holds the
 training clock ("time", from the throughput monitor, which stops during validations and checkpoints) at every step

@@ -23,7 +23,7 @@ if [ "$changed" != task.py ]; then
 fi
 
 # one thread per process: two processes share the runner's cores. fp32: the check is of the contract, and its
-# bar must not hang on the precision a runner's CPU picks (bf16-mixed where it has bf16; bench/RESULTS.md)
+# bar must not hang on the precision a runner's CPU picks (bf16-mixed where it has bf16; docs/studies/RESULTS.md)
 OMP_NUM_THREADS=1 "$python" train.py --accelerator cpu --devices 2 --strategy fsdp2 --precision 32-true \
     --out-dir runs/swap
 "$python" -c '
