@@ -11,7 +11,7 @@ a `TaskSpec` (fabric_utils/task_spec.py); replacing task.py is all another job n
 """
 
 import task
-from fabric_utils.args import build_parser, parse_flags
+from fabric_utils.args import build_parser, parse_flags, with_values
 from fabric_utils.errors import UserError, exit_on_user_error
 
 
@@ -91,7 +91,8 @@ def main(fabric, args, out_dir: Path) -> dict:
 
     with fabric.rank_zero_first(local=True):  # rank 0 of each node prepares the data first; the others read its cache
         job: TaskSpec = task.setup(args, verbose=shows_bars(fabric, args.quiet, args.verbose))
-    warn_if_updates_vanish(fabric.strategy.precision, lr=args.lr)  # the task may have chosen --lr for its model
+    args = with_values(args, job.chosen)  # the flags the task decided (--lr for its model, what auto detected)
+    warn_if_updates_vanish(fabric.strategy.precision, lr=args.lr)
     for note in job.notes:
         say(note)
     objective = job.objective
@@ -111,11 +112,12 @@ def main(fabric, args, out_dir: Path) -> dict:
                                                               offload=offloads_optimizer(fabric),
                                                               loss_scaling=scales_loss(fabric), shapes=shapes))
     if args.batch_size == "auto":  # probed on the model and optimizer as set up: wrapped, sharded, with state
-        args.batch_size = find_batch_size(fabric, model, optimizer, loss_fn=step_loss,
-                                          make_batch=lambda rows: job.example_batch(rows, None, fabric.device))
+        found = find_batch_size(fabric, model, optimizer, loss_fn=step_loss,
+                                make_batch=lambda rows: job.example_batch(rows, None, fabric.device))
+        args = with_values(args, {"batch_size": found})  # config.yaml records it
     resume_from = agreed_resume_checkpoint(fabric, args.resume, out_dir / "checkpoints", report=say)
     if resume_from:  # a requeued job may come back on fewer devices: it continues with the same optimizer steps
-        args.grad_accum = keep_rows_per_step(fabric, args, read_record(resume_from))
+        args = with_values(args, {"grad_accum": keep_rows_per_step(fabric, args, read_record(resume_from))})
     loaders = make_loaders(fabric, args, job)
     steps_per_epoch = math.ceil(len(loaders["train"]) / args.grad_accum)
     max_steps = args.max_steps or args.epochs * steps_per_epoch

@@ -155,9 +155,9 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     g.add_argument("--grad-accum", type=positive_int, default=1,
                    help="micro-batches per optimizer step; DDP, FSDP and ZeRO-1 reduce gradients only on the last, "
                         "ZeRO-2/3 on every one (they keep only their shard)")
-    g.add_argument("--lr", type=positive_float, default=1e-3,
-                   help="peak learning rate (a task may set its own default, or choose one for the model it "
-                        "loads: its flags' help says for which models)")
+    g.add_argument("--lr", type=positive_float,
+                   help="peak learning rate (default: the task's choice for the model it loads, which its flags' "
+                        "help describes)")
     g.add_argument("--optimizer", choices=("adamw", "adam"), default="adamw")
     g.add_argument("--weight-decay", type=non_negative_float, default=0.01, help="AdamW decoupled weight decay")
     g.add_argument("--scheduler", choices=("linear", "cosine", "one-cycle", "constant"), default="linear",
@@ -225,6 +225,11 @@ def parse_flags(parser: argparse.ArgumentParser, argv=None, presets: dict | None
         raise UserError("--num-workers must be 0 or more")
     fabric_run_settings({name: getattr(args, name) for name in LAUNCH_DEFAULTS})  # checked before torch loads
     return args
+
+
+def with_values(args: argparse.Namespace, values: dict) -> argparse.Namespace:
+    """A copy of ``args`` with ``values`` for the flags they name: the parsed flags stay as the user gave them."""
+    return argparse.Namespace(**{**vars(args), **values})
 
 
 def load_config(path: str, parser: argparse.ArgumentParser) -> dict:

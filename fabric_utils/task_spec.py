@@ -13,8 +13,8 @@ A task module provides:
 - ``setup(args, verbose) -> TaskSpec``: built from the parsed flags, whole. It runs on every rank, local rank 0 of
   each node first, so it may cache what it prepares (tokenization, downloads) for the others to read. ``verbose``
   (progress bars wanted) is false on every rank but the first, under ``--quiet``, and in a log unless ``--verbose``.
-  It may fill in a loop flag whose default it set to None in ``add_args`` from what it loads (a learning rate for
-  the model's size): the loop reads it after ``setup``, and ``config.yaml`` records the value.
+  It leaves ``args`` as parsed: what it decides for flags left to it (``--lr``, whose default is None: a rate for
+  the model it loads) it returns in ``TaskSpec.chosen``, which the loop runs with and ``config.yaml`` records.
 
 A model built by ``TaskSpec.build_model`` must take a batch through ``objective.forward`` and give outputs that
 ``objective.loss`` and the metrics take; batches are dicts of tensors, rows first, with the targets under
@@ -79,3 +79,5 @@ class TaskSpec:
     # the training loss of the best output that ignores the inputs (chance level): a run whose loss stays there is said
     # not to learn
     chance_loss: float | None = None
+    # flag name (as in args) -> the value the task chose for it ("lr" where --lr was left to it, what auto detected)
+    chosen: dict = field(default_factory=dict)
