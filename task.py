@@ -5,7 +5,7 @@ To train something else, replace this file; `train.py` and `fabric_utils/` only 
 - `add_args`: the data and model flags
 - `PRESETS`: loop defaults that a task flag brings (`--demo`'s one epoch)
 - `setup`: the parsed flags -> a `TaskSpec`: tokenized train / validation / test splits (via `data/`), the
-  collate function, the model builder (all of it, or LoRA adapters on a frozen model), the `Objective` (forward,
+  collate function, the model builder (all of it, or LoRA adapters on a frozen model), the `ClassifierObjective` (forward,
   loss and metrics by problem type: single-label, multi-label, regression), the export (a Hugging Face folder that
   `from_pretrained` loads), each row's tokens (length grouping, tokens/s, MFU), and what it chose for the flags it
   decides (`--lr` for the model's width unless given, what `auto` detected)
@@ -98,7 +98,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 
 def setup(args: argparse.Namespace, verbose: bool) -> TaskSpec:
-    """The job for these flags: checked, tokenized splits, the model builder, objective and export."""
+    """The task for these flags: checked, tokenized splits, the model builder, objective and export."""
     quiet_libraries(bars=verbose, logs=args.verbose)
     data_seed = args.seed if args.data_seed is None else args.data_seed
     if args.demo:
@@ -117,7 +117,7 @@ def setup(args: argparse.Namespace, verbose: bool) -> TaskSpec:
     if args.lr is None:
         chosen["lr"] = learning_rate_for(load_model_config(data.model_source), lora=bool(args.lora_r),
                                          demo=args.demo)
-    objective = Objective(data.problem_type, num_labels=len(data.label_names))
+    objective = ClassifierObjective(data.problem_type, num_labels=len(data.label_names))
     from data.tokenize import make_collator
 
     def build() -> torch.nn.Module:
@@ -294,7 +294,7 @@ def add_lora(model, r: int, alpha: float, dropout: float, target_modules: list[s
 
 # ---- forward, loss, metrics: shared by training and evaluation -------------------------------------------------------
 @dataclass
-class Objective:
+class ClassifierObjective:
     """What training minimizes and evaluation reports, by problem type: single_label (softmax cross-entropy,
     accuracy), multi_label (sigmoid binary cross-entropy, micro-F1 and exact match at 0.5) or regression (mean
     squared error, RMSE and Pearson correlation). ``best_metric`` picks checkpoints/best."""
@@ -372,9 +372,6 @@ class Objective:
             score = logits.sigmoid()
             return {"label": labels.int(), "predicted": (score > 0.5).int(), "score": score}
         return {"label": labels, "predicted": logits}
-
-    def step_loss(self, model, batch: dict) -> torch.Tensor:
-        return self.loss(self.forward(model, batch), batch)
 
     def dummy_batch(self, rows: int, length: int, vocab_size: int, device) -> dict:
         """Rows of ``length`` random tokens, no padding (so no attention mask: also what a meta-device model needs),

@@ -12,7 +12,7 @@ from fabric_utils.errors import UserError
 
 # Fabric's names, written out because importing Lightning to read its registries takes seconds (tests/infra/
 # test_launcher.py checks them against the registries): the strategies fabric.launch() starts by running this script
-# again (not ddp_spawn, ddp_fork, ddp_notebook, xla, xla_fsdp: they need the job as a function), and fsdp2
+# again (not ddp_spawn, ddp_fork, ddp_notebook, xla, xla_fsdp: they need the training as a function), and fsdp2
 FSDP2 = "fsdp2"  # PyTorch's current FSDP (fully_shard), through Fabric's ModelParallelStrategy; not in its registry
 ACCELERATORS = ("auto", "cpu", "cuda", "mps", "tpu")
 STRATEGIES = ("auto", "ddp", "ddp_find_unused_parameters_true", "dp", "deepspeed", "deepspeed_stage_1",

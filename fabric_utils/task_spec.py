@@ -1,5 +1,5 @@
 """The contract between the loop (``train.py``) and a task (``task.py``): everything the loop needs to know about a
-job, and nothing it needs to know about how the task does it.
+task, and nothing it needs to know about how the task does it.
 
 A task module provides:
 
