@@ -23,12 +23,12 @@ from lightning.fabric.accelerators import ACCELERATOR_REGISTRY
 from lightning.fabric.plugins.precision import DeepSpeedPrecision, Precision
 from lightning.fabric.strategies import STRATEGY_REGISTRY, DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
 from lightning.fabric.strategies import deepspeed as fabric_deepspeed
-from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
 from fabric_utils.args import FSDP2, LAUNCH_DEFAULTS, fabric_run_settings, launched_by_cli
 from fabric_utils.errors import PeerLost, UserError, lost_a_peer
+from fabric_utils.private import _BackwardSyncControl, set_backward_sync_control
 from fabric_utils.sharding import BlockPolicy, mixed_precision_policy, shard_blocks
 
 
@@ -260,7 +260,7 @@ def configure_deepspeed(strategy: DeepSpeedStrategy, grad_clip: float) -> None:
     strategy.config["gradient_clipping"] = grad_clip
     if strategy.precision.precision.startswith("bf16") and strategy.config["zero_optimization"]["stage"] >= 2:
         strategy.config.setdefault("data_types", {})["grad_accum_dtype"] = "fp32"
-    strategy._backward_sync_control = _DeepSpeedAccumulationBoundary()
+    set_backward_sync_control(strategy, _DeepSpeedAccumulationBoundary())
 
 
 class _DeepSpeedAccumulationBoundary(_BackwardSyncControl):
