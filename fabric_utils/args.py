@@ -209,7 +209,7 @@ def build_parser(description: str) -> argparse.ArgumentParser:
 
 def parse_flags(parser: argparse.ArgumentParser, argv=None, presets: dict | None = None) -> argparse.Namespace:
     """Parses ``argv``; ``--config FILE`` values become defaults, and ``presets`` maps a flag to the defaults it
-    brings when set (``{"demo": {"lr": 2e-3}}``): the file wins over presets, the command line over both."""
+    brings when set (``{"demo": {"epochs": 1}}``): the file wins over presets, the command line over both."""
     args = parser.parse_args(argv)
     config = load_config(args.config, parser) if args.config else {}
     parser.set_defaults(**config)
