@@ -88,31 +88,15 @@ def main(fabric, args, out_dir: Path) -> dict:
     env = environment_report(fabric)
     if args.verbose:
         say(json.dumps(env, indent=1))
-
     with fabric.rank_zero_first(local=True):  # rank 0 of each node prepares the data first; the others read its cache
         spec: TaskSpec = task.setup(args, verbose=shows_bars(fabric, args.quiet, args.verbose))
     args = with_values(args, spec.chosen)  # the flags the task decided (--lr for its model, what auto detected)
-    warn_if_updates_vanish(fabric.strategy.precision, lr=args.lr)
     for note in spec.notes:
         say(note)
-    objective = spec.objective
-    model = declare_blocks(spec.build_model(), spec.blocks)
-    if args.grad_checkpointing and not strategy_checkpoints_blocks(fabric.strategy):
-        recompute_blocks(model)  # FSDP and FSDP2 recompute the blocks they shard themselves
-    params = count_parameters(model)  # now, while every rank holds every weight (no strategy has sharded them)
 
-    step_loss = functools.partial(training_loss, objective)
-    flops_of = training_flops_fn(  # FLOPs of forward and backward, for MFU
-        model, lambda m, size: step_loss(m, spec.example_batch(1, size, "meta")), max_size=spec.max_size)
-    if args.compile:
-        model = compile_model(model, mode=args.compile_mode)
-    model, optimizer, torch_optimizer = setup_model_and_optimizer(                              # Fabric step 3
-        fabric, model, lambda module, shapes: build_optimizer(module, name=args.optimizer, lr=args.lr,
-                                                              weight_decay=args.weight_decay, device=fabric.device,
-                                                              offload=offloads_optimizer(fabric),
-                                                              loss_scaling=scales_loss(fabric), shapes=shapes))
+    model, optimizer, torch_optimizer, flops_of, params = build(fabric, args, spec)
     if args.batch_size == "auto":  # probed on the model and optimizer as set up: wrapped, sharded, with state
-        found = find_batch_size(fabric, model, optimizer, loss_fn=step_loss,
+        found = find_batch_size(fabric, model, optimizer, loss_fn=functools.partial(training_loss, spec.objective),
                                 make_batch=lambda rows: spec.example_batch(rows, None, fabric.device))
         args = with_values(args, {"batch_size": found})  # config.yaml records it
     resume_from = agreed_resume_checkpoint(fabric, args.resume, out_dir / "checkpoints", report=say)
@@ -123,24 +107,12 @@ def main(fabric, args, out_dir: Path) -> dict:
     max_steps = args.max_steps or args.epochs * steps_per_epoch
     scheduler = build_scheduler(torch_optimizer, args.scheduler, lr=args.lr, max_steps=max_steps,
                                 warmup_steps=count_warmup_steps(args.warmup, max_steps), min_lr_rate=args.min_lr_rate)
-
-    # what a resume must continue: the task's model and data, and this loop's optimization
-    fingerprint = {**spec.meta, **optimization(args, fabric.world_size, max_steps)}
-    rows_per_batch = args.batch_size * fabric.world_size  # what one batch_in_epoch is, over all ranks
-    state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "step": 0, "epoch": 0,
-             "batch_in_epoch": 0, "rows_per_batch": rows_per_batch, "best_val": {}, "fingerprint": fingerprint,
-             "config": vars(args)}
-    if resume_from:
-        load_checkpoint(fabric, resume_from, state, expected_fingerprint=fingerprint)
-        # the same row of the epoch in this run's batches (other ones, if the number of devices changed)
-        state["batch_in_epoch"] = state["batch_in_epoch"] * state["rows_per_batch"] // rows_per_batch
-        state["rows_per_batch"] = rows_per_batch
-        say(f"resumed from {resume_from} at step {state['step']}")
+    state = restore(fabric, args, spec, model, optimizer, scheduler, max_steps, checkpoint=resume_from)
     # only now: bad data, model or checkpoint leave the folder as it was; each resumed segment keeps its own flags
     save_config(fabric, args, out_dir, resumed_at=state["step"] if resume_from else None, environment=env)
     save_tracker_ids(fabric, out_dir)  # starts the tracked runs (MLflow, W&B) and keeps their ids for a resume
     if not args.quiet:
-        say(header(fabric, args, spec, max_steps, steps_per_epoch, fingerprint[ROWS_PER_STEP], out_dir))
+        say(header(fabric, args, spec, max_steps, steps_per_epoch, state["fingerprint"][ROWS_PER_STEP], out_dir))
 
     if fit(fabric, args, state, loaders=loaders, preemption=preemption, ckpt_dir=out_dir / "checkpoints",
            max_steps=max_steps, steps_per_epoch=steps_per_epoch, flops_of=flops_of, spec=spec):
@@ -153,6 +125,46 @@ def main(fabric, args, out_dir: Path) -> dict:
                      report={**params, "environment": env})
     preemption.close(fabric, loaders)  # workers, then the process group: nothing left for teardown to trip on
     return results
+
+
+def build(fabric, args, spec: TaskSpec):
+    """The task's model and its optimizer, set up by Fabric (Fabric step 3), with the model's FLOPs per training
+    step (for MFU) and parameter counts; also returns the plain torch optimizer inside, which the schedule drives."""
+    warn_if_updates_vanish(fabric.strategy.precision, lr=args.lr)
+    model = declare_blocks(spec.build_model(), spec.blocks)
+    if args.grad_checkpointing and not strategy_checkpoints_blocks(fabric.strategy):
+        recompute_blocks(model)  # FSDP and FSDP2 recompute the blocks they shard themselves
+    params = count_parameters(model)  # now, while every rank holds every weight (no strategy has sharded them)
+    step_loss = functools.partial(training_loss, spec.objective)
+    flops_of = training_flops_fn(  # FLOPs of forward and backward, for MFU
+        model, lambda m, size: step_loss(m, spec.example_batch(1, size, "meta")), max_size=spec.max_size)
+    if args.compile:
+        model = compile_model(model, mode=args.compile_mode)
+    model, optimizer, torch_optimizer = setup_model_and_optimizer(                              # Fabric step 3
+        fabric, model, lambda module, shapes: build_optimizer(module, name=args.optimizer, lr=args.lr,
+                                                              weight_decay=args.weight_decay, device=fabric.device,
+                                                              offload=offloads_optimizer(fabric),
+                                                              loss_scaling=scales_loss(fabric), shapes=shapes))
+    return model, optimizer, torch_optimizer, flops_of, params
+
+
+def restore(fabric, args, spec: TaskSpec, model, optimizer, scheduler, max_steps: int,
+            checkpoint: Path | None) -> dict:
+    """The training state: a fresh one, or ``checkpoint``'s if its fingerprint is this run's (else a one-line
+    error before anything is restored)."""
+    # what a resume must continue: the task's model and data, and this loop's optimization
+    fingerprint = {**spec.meta, **optimization(args, fabric.world_size, max_steps)}
+    rows_per_batch = args.batch_size * fabric.world_size  # what one batch_in_epoch is, over all ranks
+    state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "step": 0, "epoch": 0,
+             "batch_in_epoch": 0, "rows_per_batch": rows_per_batch, "best_val": {}, "fingerprint": fingerprint,
+             "config": vars(args)}
+    if checkpoint:
+        load_checkpoint(fabric, checkpoint, state, expected_fingerprint=fingerprint)
+        # the same row of the epoch in this run's batches (other ones, if the number of devices changed)
+        state["batch_in_epoch"] = state["batch_in_epoch"] * state["rows_per_batch"] // rows_per_batch
+        state["rows_per_batch"] = rows_per_batch
+        say(f"resumed from {checkpoint} at step {state['step']}")
+    return state
 
 
 def header(fabric, args, spec: TaskSpec, max_steps: int, steps_per_epoch: int, rows_per_step: int,
