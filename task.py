@@ -7,8 +7,8 @@ To train something else, replace this file; `train.py` and `fabric_utils/` only 
 - `setup`: the parsed flags -> a `TaskSpec`: tokenized train / validation / test splits (via `data/`), the
   collate function, the model builder (all of it, or LoRA adapters on a frozen model), the `ClassifierObjective`
   (forward, loss and metrics by problem type: single-label, multi-label, regression), the export (a Hugging Face
-  folder that `from_pretrained` loads), each row's tokens (length grouping, tokens/s, MFU), and what it chose for the flags it
-  decides (`--lr` for the model's width unless given, what `auto` detected)
+  folder that `from_pretrained` loads), each row's tokens (length grouping, tokens/s, MFU), and what it chose for
+  the flags it decides (`--lr` for the model's width unless given, what `auto` detected)
 
 The libraries (torch, transformers, datasets) are imported inside the functions that use them, so that `--help` and
 a bad flag answer before they load (seconds).
