@@ -138,7 +138,8 @@ def _log_on_rank(rank: int, port: int, results):
                       LOCAL_RANK=str(rank), NODE_RANK="0")
     fabric = Fabric(accelerator="cpu", devices=2, strategy="ddp")
     fabric.launch()
-    progress = Progress(fabric, total_steps=1, quiet=True, metrics=ClassifierObjective("single_label", num_labels=2).make_metrics())
+    progress = Progress(fabric, total_steps=1, quiet=True,
+                        metrics=ClassifierObjective("single_label", num_labels=2).make_metrics())
     loss = torch.tensor(float("nan") if rank == 1 else 0.5)  # only rank 1 diverged
     progress.update(loss, torch.zeros(4, 2), torch.zeros(4, dtype=torch.long))
     results[rank] = progress.log(step=1, lr=1e-3)["train/loss"]
