@@ -2,13 +2,13 @@
 
 To train something else, replace this file; `train.py` and `fabric_utils/` only ever call the contract that
 `fabric_utils/task_spec.py` writes down (`examples/` holds other tasks that satisfy it):
-- `add_args`: the data and model flags, and this task's defaults for loop flags (its learning rate: set in
-  `setup`, from the model's width, unless `--lr` is given)
-- `PRESETS`: loop defaults that a task flag brings (`--demo`, `--lora-r`)
+- `add_args`: the data and model flags
+- `PRESETS`: loop defaults that a task flag brings (`--demo`'s one epoch)
 - `setup`: the parsed flags -> a `TaskSpec`: tokenized train / validation / test splits (via `data/`), the
-  collate function, the model builder (all of it, or LoRA adapters on a frozen model), the `Objective` (forward,
-  loss and metrics by problem type: single-label, multi-label, regression), the export (a Hugging Face folder that
-  `from_pretrained` loads), and each row's tokens (length grouping, tokens/s, MFU)
+  collate function, the model builder (all of it, or LoRA adapters on a frozen model), the `ClassifierObjective`
+  (forward, loss and metrics by problem type: single-label, multi-label, regression), the export (a Hugging Face
+  folder that `from_pretrained` loads), each row's tokens (length grouping, tokens/s, MFU), and what it chose for
+  the flags it decides (`--lr` for the model's width unless given, what `auto` detected)
 
 The libraries (torch, transformers, datasets) are imported inside the functions that use them, so that `--help` and
 a bad flag answer before they load (seconds).
@@ -30,12 +30,12 @@ from fabric_utils.task_spec import TaskSpec
 # fine-tune at larger rates. 384 and below: measured on all-MiniLM-L6-v2; up to 768 (base size): the published
 # DistilBERT and BERT recipes; wider (large): inside BERT's and RoBERTa-large's fine-tuning grids
 LR_BY_WIDTH = ((384, 1.5e-4), (768, 5e-5), (float("inf"), 2e-5))
-# the demo's tiny model starts from random weights: it needs a far larger learning rate than fine-tuning. One epoch
-# (200 steps) reaches test accuracy 0.99+, so the demo takes about a minute
-DEMO_DEFAULTS = {"lr": 2e-3, "epochs": 1}
 # LoRA trains a few small matrices, B from zero: it needs a far larger rate than full fine-tuning
-LORA_DEFAULTS = {"lr": 5e-3}
-PRESETS = {"demo": DEMO_DEFAULTS, "lora_r": LORA_DEFAULTS}
+LORA_LR = 5e-3
+# the demo's tiny model starts from random weights: it needs a far larger learning rate than fine-tuning
+DEMO_LR = 2e-3
+# one epoch (200 steps) of the demo reaches test accuracy 0.99+, so it takes about a minute
+PRESETS = {"demo": {"epochs": 1}}
 # a small offline run that learns (test accuracy ~0.9) in 100 steps of a few milliseconds: the infrastructure tests
 # (tests/infra) train whatever task.py is with its TEST_FLAGS
 TEST_FLAGS = ["--demo", "--max-length", "128", "--train-size", "800", "--val-size", "48", "--test-size", "64",
@@ -46,7 +46,6 @@ DEMO_ROOT = Path.home() / ".cache" / "fabric-template" / "demo"
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
-    parser.set_defaults(lr=None)  # None: from the model's width (LR_BY_WIDTH), chosen in setup
     parser.add_argument("--demo", action="store_true",
                         help="offline run on a synthetic dataset with a tiny model built locally (overrides "
                              "--dataset and --model)")
@@ -76,9 +75,10 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--pad-to-multiple-of", type=positive_int, default=8,
                    help="round each batch's padded length up to a multiple of this (tensor-core friendly)")
 
-    g = parser.add_argument_group("model", "--lr's default follows the model's width (hidden size): 1.5e-4 up to 384 "
-                                  "(chosen on all-MiniLM-L6-v2), 5e-5 up to 768 (base size: BERT, DistilBERT; "
-                                  "published recipes), 2e-5 wider (large)")
+    g = parser.add_argument_group("model", "--lr's default follows the model's width (hidden size): "
+                                  + ", ".join(f"{rate(lr)} up to {width}" for width, lr in LR_BY_WIDTH[:-1])
+                                  + f", {rate(LR_BY_WIDTH[-1][1])} wider; {rate(LORA_LR)} with --lora-r, "
+                                    f"{rate(DEMO_LR)} with --demo")
     g.add_argument("--model", default="distilbert-base-uncased", help="hub id or local folder")
     g.add_argument("--attention-dropout", type=dropout, default=0.0,
                    help="attention-probability dropout, or 'model' for the model's own; 0 skips drawing a random "
@@ -88,8 +88,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
     g = parser.add_argument_group("LoRA: train low-rank adapters and the classification head, the rest frozen")
     g.add_argument("--lora-r", type=non_negative_int, default=0,
-                   help="adapter rank (8 is typical; 0 trains every weight), which sets --lr's default to "
-                        f"{LORA_DEFAULTS['lr']}")
+                   help="adapter rank (8 is typical; 0 trains every weight)")
     g.add_argument("--lora-alpha", type=positive_float, help="adapter scale: updates are multiplied by alpha / r "
                    "(default 2 x r, so the scale and the right --lr stay the same when r changes)")
     g.add_argument("--lora-dropout", type=probability, default=0.0, help="dropout on the adapters' input")
@@ -99,22 +98,26 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 
 def setup(args: argparse.Namespace, verbose: bool) -> TaskSpec:
-    """The job for these flags: checked, tokenized splits, the model builder, objective and export."""
+    """The task for these flags: checked, tokenized splits, the model builder, objective and export."""
     quiet_libraries(bars=verbose, logs=args.verbose)
-    args.data_seed = args.seed if args.data_seed is None else args.data_seed  # config.yaml records the draw
-    if args.demo:  # config.yaml and results.json record the data and model it trains
+    data_seed = args.seed if args.data_seed is None else args.data_seed
+    if args.demo:
         from data.demo import prepare_demo
 
-        args.dataset, args.model = map(str, prepare_demo(DEMO_ROOT))
-    data = load_data(dataset=args.dataset, model=args.model, text_column=args.text_column,
-                     label_column=args.label_column, max_length=args.max_length, seed=args.data_seed,
+        dataset, model = map(str, prepare_demo(DEMO_ROOT))
+    else:
+        dataset, model = args.dataset, args.model
+    data = load_data(dataset=dataset, model=model, text_column=args.text_column,
+                     label_column=args.label_column, max_length=args.max_length, seed=data_seed,
                      train_size=args.train_size, val_size=args.val_size, test_size=args.test_size,
                      problem_type=args.problem_type, label_separator=args.label_separator,
                      drop_invalid=args.drop_invalid, text_pair_column=args.text_pair_column)
-    args.problem_type = data.problem_type  # config.yaml records what auto chose
-    if args.lr is None:  # and the learning rate chosen for the model
-        args.lr = learning_rate_for(load_model_config(data.model_source))
-    objective = Objective(data.problem_type, num_labels=len(data.label_names))
+    # config.yaml and results.json record what the run trained: the demo's data and model, the draw, what auto chose
+    chosen = {"dataset": dataset, "model": model, "data_seed": data_seed, "problem_type": data.problem_type}
+    if args.lr is None:
+        chosen["lr"] = learning_rate_for(load_model_config(data.model_source), lora=bool(args.lora_r),
+                                         demo=args.demo)
+    objective = ClassifierObjective(data.problem_type, num_labels=len(data.label_names))
     from data.tokenize import make_collator
 
     def build() -> torch.nn.Module:
@@ -133,10 +136,11 @@ def setup(args: argparse.Namespace, verbose: bool) -> TaskSpec:
         export=lambda weights, model, folder: export(weights, model, data.tokenizer, folder),
         # the demo's model is a cache in each node's own HOME: its folder differs from node to node
         meta={"model": "--demo" if args.demo else data.model_source, "labels": data.label_names,
-              "problem_type": data.problem_type, "--dataset": "--demo" if args.demo else args.dataset,
-              "--max-length": args.max_length, "--train-size": args.train_size, "--data-seed": args.data_seed},
+              "problem_type": data.problem_type, "--dataset": "--demo" if args.demo else dataset,
+              "--max-length": args.max_length, "--train-size": args.train_size, "--data-seed": data_seed},
         sizes={name: split["length"] for name, split in data.splits.items()}, row_sizes=row_lengths,
-        max_size=args.max_length, notes=data.notes, chance_loss=objective.chance_loss(data.splits["train"]["labels"]))
+        max_size=args.max_length, notes=data.notes, chance_loss=objective.chance_loss(data.splits["train"]["labels"]),
+        chosen=chosen)
 
 
 def quiet_libraries(bars: bool, logs: bool) -> None:
@@ -214,9 +218,18 @@ def load_model_config(source: str):
         raise UserError(f"cannot load model {source!r}: {str(err).splitlines()[0]}") from err
 
 
-def learning_rate_for(config) -> float:
-    """The peak learning rate for a model of this width (``LR_BY_WIDTH``); the base-size rate if the config names
-    no hidden size."""
+def rate(lr: float) -> str:
+    """A learning rate as --help writes it: 1.5e-4, 5e-5."""
+    return f"{lr:.1e}".replace(".0e", "e").replace("e-0", "e-")
+
+
+def learning_rate_for(config, lora: bool = False, demo: bool = False) -> float:
+    """--lr's default: LoRA's, the demo's, else the rate for a model of this width (``LR_BY_WIDTH``; the base-size
+    rate if the config names no hidden size)."""
+    if lora:
+        return LORA_LR
+    if demo:
+        return DEMO_LR
     width = getattr(config, "hidden_size", None) or 768
     return next(lr for widest, lr in LR_BY_WIDTH if width <= widest)
 
@@ -281,7 +294,7 @@ def add_lora(model, r: int, alpha: float, dropout: float, target_modules: list[s
 
 # ---- forward, loss, metrics: shared by training and evaluation -------------------------------------------------------
 @dataclass
-class Objective:
+class ClassifierObjective:
     """What training minimizes and evaluation reports, by problem type: single_label (softmax cross-entropy,
     accuracy), multi_label (sigmoid binary cross-entropy, micro-F1 and exact match at 0.5) or regression (mean
     squared error, RMSE and Pearson correlation). ``best_metric`` picks checkpoints/best."""
@@ -360,9 +373,6 @@ class Objective:
             score = logits.sigmoid()
             return {**{k: v.int() for k, v in label.items()}, "predicted": (score > 0.5).int(), "score": score}
         return {**label, "predicted": logits}
-
-    def step_loss(self, model, batch: dict) -> torch.Tensor:
-        return self.loss(self.forward(model, batch), batch)
 
     def dummy_batch(self, rows: int, length: int, vocab_size: int, device) -> dict:
         """Rows of ``length`` random tokens, no padding (so no attention mask: also what a meta-device model needs),

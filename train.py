@@ -1,4 +1,4 @@
-"""Train a model with Lightning Fabric; the job itself (data, model, loss, metrics, export) is the task's.
+"""Train a model with Lightning Fabric; what it trains (data, model, loss, metrics, export) is the task's.
 
     python train.py [task flags]                                  # one device; `--help` lists every flag
     python train.py --devices 2 --strategy fsdp2 [task flags]
@@ -6,12 +6,12 @@
 
 Fabric launches the processes, places model, optimizer and batches, and runs backward; everything else is the
 plain PyTorch loop below, meant to be edited. It reads top to bottom in the order it runs:
-setup() -> main() -> fit() -> validate() -> finish(). What makes the job this job is in task.py, which gives the loop
-a `TaskSpec` (fabric_utils/task_spec.py); replacing task.py is all another job needs.
+setup() -> main() -> fit() -> validate() -> finish(). The task is task.py, whose setup() gives the loop a `TaskSpec`
+(fabric_utils/task_spec.py); replacing task.py is all another task needs.
 """
 
 import task
-from fabric_utils.args import build_parser, parse_flags
+from fabric_utils.args import build_parser, parse_flags, with_values
 from fabric_utils.errors import UserError, exit_on_user_error
 
 
@@ -88,21 +88,56 @@ def main(fabric, args, out_dir: Path) -> dict:
     env = environment_report(fabric)
     if args.verbose:
         say(json.dumps(env, indent=1))
-
     with fabric.rank_zero_first(local=True):  # rank 0 of each node prepares the data first; the others read its cache
-        job: TaskSpec = task.setup(args, verbose=shows_bars(fabric, args.quiet, args.verbose))
-    warn_if_updates_vanish(fabric.strategy.precision, lr=args.lr)  # the task may have chosen --lr for its model
-    for note in job.notes:
+        spec: TaskSpec = task.setup(args, verbose=shows_bars(fabric, args.quiet, args.verbose))
+    args = with_values(args, spec.chosen)  # the flags the task decided (--lr for its model, what auto detected)
+    for note in spec.notes:
         say(note)
-    objective = job.objective
-    model = declare_blocks(job.build_model(), job.blocks)
+
+    model, optimizer, torch_optimizer, flops_of, params = build(fabric, args, spec)
+    if args.batch_size == "auto":  # probed on the model and optimizer as set up: wrapped, sharded, with state
+        found = find_batch_size(fabric, model, optimizer, loss_fn=functools.partial(training_loss, spec.objective),
+                                make_batch=lambda rows: spec.example_batch(rows, None, fabric.device))
+        args = with_values(args, {"batch_size": found})  # config.yaml records it
+    resume_from = agreed_resume_checkpoint(fabric, args.resume, out_dir / "checkpoints", report=say)
+    if resume_from:  # a requeued job may come back on fewer devices: it continues with the same optimizer steps
+        args = with_values(args, {"grad_accum": keep_rows_per_step(fabric, args, read_record(resume_from))})
+    loaders = make_loaders(fabric, args, spec)
+    steps_per_epoch = math.ceil(len(loaders["train"]) / args.grad_accum)
+    max_steps = args.max_steps or args.epochs * steps_per_epoch
+    scheduler = build_scheduler(torch_optimizer, args.scheduler, lr=args.lr, max_steps=max_steps,
+                                warmup_steps=count_warmup_steps(args.warmup, max_steps), min_lr_rate=args.min_lr_rate)
+    state = restore(fabric, args, spec, model, optimizer, scheduler, max_steps, checkpoint=resume_from)
+    # only now: bad data, model or checkpoint leave the folder as it was; each resumed segment keeps its own flags
+    save_config(fabric, args, out_dir, resumed_at=state["step"] if resume_from else None, environment=env)
+    save_tracker_ids(fabric, out_dir)  # starts the tracked runs (MLflow, W&B) and keeps their ids for a resume
+    if not args.quiet:
+        say(header(fabric, args, spec, max_steps, steps_per_epoch, state["fingerprint"][ROWS_PER_STEP], out_dir))
+
+    if fit(fabric, args, state, loaders=loaders, preemption=preemption, ckpt_dir=out_dir / "checkpoints",
+           max_steps=max_steps, steps_per_epoch=steps_per_epoch, flops_of=flops_of, spec=spec):
+        finalize_loggers(fabric.loggers, status="preempted")  # this segment's metrics stay on disk
+        say(f"preempted: saved a checkpoint at step {state['step']}; rerun with --resume auto")
+        preemption.exit(fabric, loaders, out_dir, step=state["step"],  # status EXIT_PREEMPTED (75)
+                        checkpoint=out_dir / "checkpoints" / f"step-{state['step']:06d}")
+    preemption.training_ended()
+    results = finish(fabric, args, state, loaders=loaders, out_dir=out_dir, spec=spec,
+                     report={**params, "environment": env})
+    preemption.close(fabric, loaders)  # workers, then the process group: nothing left for teardown to trip on
+    return results
+
+
+def build(fabric, args, spec: TaskSpec):
+    """The task's model and its optimizer, set up by Fabric (Fabric step 3), with the model's FLOPs per training
+    step (for MFU) and parameter counts; also returns the plain torch optimizer inside, which the schedule drives."""
+    warn_if_updates_vanish(fabric.strategy.precision, lr=args.lr)
+    model = declare_blocks(spec.build_model(), spec.blocks)
     if args.grad_checkpointing and not strategy_checkpoints_blocks(fabric.strategy):
         recompute_blocks(model)  # FSDP and FSDP2 recompute the blocks they shard themselves
     params = count_parameters(model)  # now, while every rank holds every weight (no strategy has sharded them)
-
-    step_loss = functools.partial(training_loss, objective)
+    step_loss = functools.partial(training_loss, spec.objective)
     flops_of = training_flops_fn(  # FLOPs of forward and backward, for MFU
-        model, lambda m, size: step_loss(m, job.example_batch(1, size, "meta")), max_size=job.max_size)
+        model, lambda m, size: step_loss(m, spec.example_batch(1, size, "meta")), max_size=spec.max_size)
     if args.compile:
         model = compile_model(model, mode=args.compile_mode)
     model, optimizer, torch_optimizer = setup_model_and_optimizer(                              # Fabric step 3
@@ -110,52 +145,32 @@ def main(fabric, args, out_dir: Path) -> dict:
                                                               weight_decay=args.weight_decay, device=fabric.device,
                                                               offload=offloads_optimizer(fabric),
                                                               loss_scaling=scales_loss(fabric), shapes=shapes))
-    if args.batch_size == "auto":  # probed on the model and optimizer as set up: wrapped, sharded, with state
-        args.batch_size = find_batch_size(fabric, model, optimizer, loss_fn=step_loss,
-                                          make_batch=lambda rows: job.example_batch(rows, None, fabric.device))
-    resume_from = agreed_resume_checkpoint(fabric, args.resume, out_dir / "checkpoints", report=say)
-    if resume_from:  # a requeued job may come back on fewer devices: it continues with the same optimizer steps
-        args.grad_accum = keep_rows_per_step(fabric, args, read_record(resume_from))
-    loaders = make_loaders(fabric, args, job)
-    steps_per_epoch = math.ceil(len(loaders["train"]) / args.grad_accum)
-    max_steps = args.max_steps or args.epochs * steps_per_epoch
-    scheduler = build_scheduler(torch_optimizer, args.scheduler, lr=args.lr, max_steps=max_steps,
-                                warmup_steps=count_warmup_steps(args.warmup, max_steps), min_lr_rate=args.min_lr_rate)
+    return model, optimizer, torch_optimizer, flops_of, params
 
+
+def restore(fabric, args, spec: TaskSpec, model, optimizer, scheduler, max_steps: int,
+            checkpoint: Path | None) -> dict:
+    """The training state: a fresh one, or ``checkpoint``'s if its fingerprint is this run's (else a one-line
+    error before anything is restored)."""
     # what a resume must continue: the task's model and data, and this loop's optimization
-    meta = {**job.meta, **optimization(args, fabric.world_size, max_steps)}
+    fingerprint = {**spec.meta, **optimization(args, fabric.world_size, max_steps)}
     rows_per_batch = args.batch_size * fabric.world_size  # what one batch_in_epoch is, over all ranks
     state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "step": 0, "epoch": 0,
-             "batch_in_epoch": 0, "rows_per_batch": rows_per_batch, "best_val": {}, "meta": meta, "config": vars(args)}
-    if resume_from:
-        load_checkpoint(fabric, resume_from, state, expected_meta=meta)
+             "batch_in_epoch": 0, "rows_per_batch": rows_per_batch, "best_val": {}, "fingerprint": fingerprint,
+             "config": vars(args)}
+    if checkpoint:
+        load_checkpoint(fabric, checkpoint, state, expected_fingerprint=fingerprint)
         # the same row of the epoch in this run's batches (other ones, if the number of devices changed)
         state["batch_in_epoch"] = state["batch_in_epoch"] * state["rows_per_batch"] // rows_per_batch
         state["rows_per_batch"] = rows_per_batch
-        say(f"resumed from {resume_from} at step {state['step']}")
-    # only now: bad data, model or checkpoint leave the folder as it was; each resumed segment keeps its own flags
-    save_config(fabric, args, out_dir, resumed_at=state["step"] if resume_from else None, environment=env)
-    save_tracker_ids(fabric, out_dir)  # starts the tracked runs (MLflow, W&B) and keeps their ids for a resume
-    if not args.quiet:
-        say(header(fabric, args, job, max_steps, steps_per_epoch, meta[ROWS_PER_STEP], out_dir))
-
-    if fit(fabric, args, state, loaders=loaders, preemption=preemption, ckpt_dir=out_dir / "checkpoints",
-           max_steps=max_steps, steps_per_epoch=steps_per_epoch, flops_of=flops_of, job=job):
-        finalize_loggers(fabric.loggers, status="preempted")  # this segment's metrics stay on disk
-        say(f"preempted: saved a checkpoint at step {state['step']}; rerun with --resume auto")
-        preemption.exit(fabric, loaders, out_dir, step=state["step"],  # status EXIT_PREEMPTED (75)
-                        checkpoint=out_dir / "checkpoints" / f"step-{state['step']:06d}")
-    preemption.training_ended()
-    results = finish(fabric, args, state, loaders=loaders, out_dir=out_dir, job=job,
-                     report={**params, "environment": env})
-    preemption.close(fabric, loaders)  # workers, then the process group: nothing left for teardown to trip on
-    return results
+        say(f"resumed from {checkpoint} at step {state['step']}")
+    return state
 
 
-def header(fabric, args, job: TaskSpec, max_steps: int, steps_per_epoch: int, rows_per_step: int,
+def header(fabric, args, spec: TaskSpec, max_steps: int, steps_per_epoch: int, rows_per_step: int,
            out_dir: Path) -> str:
     """What the run is about to do, in four lines."""
-    splits = ", ".join(f"{len(rows):,} {name}" for name, rows in job.datasets.items())
+    splits = ", ".join(f"{len(rows):,} {name}" for name, rows in spec.datasets.items())
     nodes = getattr(fabric.strategy, "num_nodes", 1)
     return "\n".join([
         f"data      {splits} rows",
@@ -186,8 +201,8 @@ def keep_rows_per_step(fabric, args, record: dict) -> int:
     """The --grad-accum that keeps a checkpoint's rows per optimizer step on this run's number of devices (the
     samplers give each optimizer step the same rows however they are split), so a resume on another number of
     devices continues the same optimization."""
-    written_by, rows = record.get("world_size"), (record.get("meta") or {}).get(ROWS_PER_STEP)
-    if written_by in (None, fabric.world_size) or rows is None:
+    written_by, rows = record["world_size"], record["fingerprint"][ROWS_PER_STEP]
+    if written_by == fabric.world_size:
         return args.grad_accum
     rows_per_batch = args.batch_size * fabric.world_size
     if rows % rows_per_batch:
@@ -200,9 +215,9 @@ def keep_rows_per_step(fabric, args, record: dict) -> int:
     return rows // rows_per_batch
 
 
-def make_loaders(fabric, args, job: TaskSpec) -> dict:
+def make_loaders(fabric, args, spec: TaskSpec) -> dict:
     loaders = make_dataloaders(
-        job.datasets, job.collate, job.sizes, batch_size=args.batch_size,
+        spec.datasets, spec.collate, spec.sizes, batch_size=args.batch_size,
         eval_batch_size=args.eval_batch_size or 2 * args.batch_size, world_size=fabric.world_size,
         rank=fabric.global_rank, seed=args.seed, group_by_length=args.group_by_length,
         num_workers=default_num_workers(fabric) if args.num_workers is None else args.num_workers,
@@ -225,14 +240,14 @@ def micro_batches(loader, grad_accum: int, start: int):
 
 
 def fit(fabric, args, state, loaders, preemption, ckpt_dir, max_steps, steps_per_epoch, flops_of,
-        job: TaskSpec) -> bool:
+        spec: TaskSpec) -> bool:
     """Trains until ``max_steps``, early stopping or preemption; returns whether it was preempted."""
     model, optimizer, scheduler, train_loader = state["model"], state["optimizer"], state["scheduler"], loaders["train"]
-    objective = job.objective
+    objective = spec.objective
     progress = Progress(fabric, max_steps, args.quiet, metrics=objective.make_metrics(),
-                        steps_per_epoch=steps_per_epoch, rows_per_step=state["meta"][ROWS_PER_STEP],
-                        start_step=state["step"], chance_loss=job.chance_loss)
-    monitor = Throughput(fabric, args.peak_tflops, flops_of, sized=job.row_sizes is not None)
+                        steps_per_epoch=steps_per_epoch, rows_per_step=state["fingerprint"][ROWS_PER_STEP],
+                        start_step=state["step"], chance_loss=spec.chance_loss)
+    monitor = Throughput(fabric, args.peak_tflops, flops_of, sized=spec.row_sizes is not None)
     if args.compile:
         warm_up(fabric, model, optimizer, batch=next(iter(train_loader)),
                 loss_fn=functools.partial(training_loss, objective))
@@ -249,7 +264,7 @@ def fit(fabric, args, state, loaders, preemption, ckpt_dir, max_steps, steps_per
                 loss = objective.loss(logits, batch)
                 fabric.backward(loss / group_size)                                           # Fabric step 4
             progress.update(loss, logits, batch["labels"])
-            monitor.count(len(batch["labels"]), job.row_sizes(batch) if job.row_sizes else None)
+            monitor.count(len(batch["labels"]), spec.row_sizes(batch) if spec.row_sizes else None)
             if not is_last:
                 continue
             if args.grad_clip and clips_in_loop(fabric):  # DeepSpeed clips inside optimizer.step()
@@ -271,7 +286,8 @@ def fit(fabric, args, state, loaders, preemption, ckpt_dir, max_steps, steps_per
                                    show=progress.note)
                     if objective.is_better(val[objective.best_metric], state["best_val"].get(objective.best_metric)):
                         state["best_val"], stale = val, 0  # the best model so far is kept as checkpoints/best
-                        save_checkpoint(fabric, ckpt_dir, "best", {"model": model, "meta": state["meta"], "step": step})
+                        best = {"model": model, "fingerprint": state["fingerprint"], "step": step}
+                        save_checkpoint(fabric, ckpt_dir, "best", best)
                     else:
                         stale += 1
             stop = preempted or bool(args.early_stop and stale >= args.early_stop)
@@ -356,20 +372,20 @@ def gather_rows(fabric, sampler, columns: list[dict]) -> dict:
     return {"row": every.pop("row")[real][order], **{name: value[real][order] for name, value in every.items()}}
 
 
-def finish(fabric, args, state, loaders, out_dir, job: TaskSpec, report) -> dict:
+def finish(fabric, args, state, loaders, out_dir, spec: TaskSpec, report) -> dict:
     """Tests the best model, exports it and writes results.json (with ``report``: what else the run knows)."""
     model, best = state["model"], out_dir / "checkpoints" / "best" / "state"
     load_weights(fabric, best, model)
-    objective = job.objective
+    objective = spec.objective
     test = evaluate(fabric, model, loaders["test"], objective=objective, predict=True)
     predictions = test.pop("predictions")
     # what training and testing held on each rank; the export then gathers the whole model on rank 0 alone, on the
     # host, under every strategy
     peaks = peak_memory_per_rank(fabric)
-    export_model(fabric, best, out_dir / "model", write=lambda weights, folder: job.export(weights, model, folder))
+    export_model(fabric, best, out_dir / "model", write=lambda weights, folder: spec.export(weights, model, folder))
     results = {
         **{f"val_{k}": v for k, v in state["best_val"].items()}, **{f"test_{k}": v for k, v in test.items()},
-        "train_examples": len(job.datasets["train"]), "steps": state["step"],
+        "train_examples": len(spec.datasets["train"]), "steps": state["step"],
         "epochs": state["epoch"] + (state["batch_in_epoch"] > 0), "world_size": fabric.world_size,
         "precision": fabric.strategy.precision.precision, "strategy": type(fabric.strategy).__name__,
         **state["throughput"], "peak_memory_mb_per_rank": peaks, **report,

@@ -1,4 +1,4 @@
-"""An offline stand-in for the real job: a synthetic sentiment dataset, a word-level tokenizer and a tiny random
+"""An offline stand-in for the real task: a synthetic sentiment dataset, a word-level tokenizer and a tiny random
 BERT, written to disk so ``--demo`` goes through exactly the code path of ``--dataset PATH --model PATH``."""
 
 import contextlib

@@ -6,7 +6,7 @@ Face, no text, no download: the 1,797 8x8 images of `sklearn.datasets.load_digit
 It gives the loop the contract of `fabric_utils/task_spec.py`:
 - `add_args`: the data and model flags, and this task's defaults for loop flags (learning rate, epochs, batch)
 - `setup`: the parsed flags -> a `TaskSpec`: a fixed, seeded held-out test split, normalized images, the model
-  builder and its `Block`s (fsdp2 shards each one, --grad-checkpointing recomputes each one), the `Objective`, and
+  builder and its `Block`s (fsdp2 shards each one, --grad-checkpointing recomputes each one), the `DigitsObjective`, and
   the export (weights + config.json) that `load_exported` rebuilds
 """
 
@@ -55,7 +55,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 
 def setup(args: argparse.Namespace, verbose: bool) -> TaskSpec:
-    """The job for these flags: the splits, the model builder, objective and export."""
+    """The task for these flags: the splits, the model builder, objective and export."""
     if args.dim % args.heads:
         raise UserError(f"--heads {args.heads} must divide --dim {args.dim}")
     splits, classes = load_splits(args.train_size, args.val_size, args.test_size)
@@ -65,7 +65,7 @@ def setup(args: argparse.Namespace, verbose: bool) -> TaskSpec:
                         num_classes=len(classes), pixel_mean=train_pixels.mean().item(),
                         pixel_std=train_pixels.std().item())
     config = {"architecture": architecture, "classes": classes}
-    objective = Objective(num_classes=len(classes))
+    objective = DigitsObjective(num_classes=len(classes))
 
     def example_batch(rows: int, size: int | None, device) -> dict:
         return {"pixels": torch.zeros(rows, IMAGE_SIZE, IMAGE_SIZE, device=device),
@@ -162,7 +162,7 @@ class ViT(nn.Module):
 
 # ---- forward, loss, metrics: shared by training and evaluation -------------------------------------------------------
 @dataclass
-class Objective:
+class DigitsObjective:
     """Softmax cross-entropy; accuracy picks checkpoints/best."""
     num_classes: int
     best_metric = "acc"

@@ -12,7 +12,7 @@ from fabric_utils.errors import UserError
 
 # Fabric's names, written out because importing Lightning to read its registries takes seconds (tests/infra/
 # test_launcher.py checks them against the registries): the strategies fabric.launch() starts by running this script
-# again (not ddp_spawn, ddp_fork, ddp_notebook, xla, xla_fsdp: they need the job as a function), and fsdp2
+# again (not ddp_spawn, ddp_fork, ddp_notebook, xla, xla_fsdp: they need the training as a function), and fsdp2
 FSDP2 = "fsdp2"  # PyTorch's current FSDP (fully_shard), through Fabric's ModelParallelStrategy; not in its registry
 ACCELERATORS = ("auto", "cpu", "cuda", "mps", "tpu")
 STRATEGIES = ("auto", "ddp", "ddp_find_unused_parameters_true", "dp", "deepspeed", "deepspeed_stage_1",
@@ -22,7 +22,8 @@ STRATEGIES = ("auto", "ddp", "ddp_find_unused_parameters_true", "dp", "deepspeed
 PRECISIONS = ("auto", "transformer-engine", "transformer-engine-float16", "16-true", "16-mixed", "bf16-true",
               "bf16-mixed", "32-true", "64-true", "64", "32", "16", "bf16")
 LOGGER_NAMES = ("csv", "tensorboard", "mlflow", "wandb")
-LAUNCH_SETTINGS = ("accelerator", "devices", "num_nodes", "strategy", "precision")
+# the launch flags' defaults, applied after parsing: a flag left unset (None) is one `fabric run` may set instead
+LAUNCH_DEFAULTS = {"accelerator": "auto", "devices": "auto", "num_nodes": 1, "strategy": "auto", "precision": "auto"}
 
 
 def positive_int(text: str) -> int:
@@ -85,14 +86,17 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 def add_launch_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("launch (as in `fabric run`; under `fabric run`, pass them there instead)")
-    group.add_argument("--accelerator", choices=ACCELERATORS, help="hardware to run on (default: auto)")
-    group.add_argument("--devices", help="devices per node: a count (4), a list (0,1), -1 or auto (default)")
-    group.add_argument("--num-nodes", type=int, help="number of machines (default: 1)")
-    group.add_argument("--strategy", choices=STRATEGIES,
-                       help="how to spread the work: ddp, fsdp, fsdp2, deepspeed_stage_2, ... (default: auto)")
+    group.add_argument("--accelerator", choices=ACCELERATORS,
+                       help=f"hardware to run on (default: {LAUNCH_DEFAULTS['accelerator']})")
+    group.add_argument("--devices", help=f"devices per node: a count (4), a list (0,1), -1 or auto (default: "
+                       f"{LAUNCH_DEFAULTS['devices']})")
+    group.add_argument("--num-nodes", type=int, help=f"number of machines (default: {LAUNCH_DEFAULTS['num_nodes']})")
+    group.add_argument("--strategy", choices=STRATEGIES, help=f"how to spread the work: ddp, fsdp, fsdp2, "
+                       f"deepspeed_stage_2, ... (default: {LAUNCH_DEFAULTS['strategy']})")
     group.add_argument("--precision", choices=PRECISIONS,
-                       help="numeric precision (default: auto = bf16-mixed where the hardware supports it, "
-                            "16-mixed on older GPUs (32-true under fsdp2, which has no loss scaler), else 32-true)")
+                       help=f"numeric precision (default: {LAUNCH_DEFAULTS['precision']} = bf16-mixed where the "
+                            f"hardware supports it, 16-mixed on older GPUs (32-true under fsdp2, which has no loss "
+                            f"scaler), else 32-true)")
 
 
 def launched_by_cli() -> bool:
@@ -105,7 +109,7 @@ def fabric_run_settings(flags: dict) -> dict:
     reads its options even after the script's name, and takes the last), is a ``UserError`` saying which to remove."""
     if not launched_by_cli():
         return {}
-    settings = {name: os.environ[f"LT_{name.upper()}"] for name in LAUNCH_SETTINGS
+    settings = {name: os.environ[f"LT_{name.upper()}"] for name in LAUNCH_DEFAULTS
                 if f"LT_{name.upper()}" in os.environ}
     given = _fabric_run_options()
     for name, value in settings.items():
@@ -130,7 +134,7 @@ def _fabric_run_options() -> dict[str, list[str]]:
     for i, word in enumerate(argv):
         option, equals, value = word.partition("=")
         name = option.removeprefix("--").replace("-", "_")
-        if option.startswith("--") and name in LAUNCH_SETTINGS and (equals or i + 1 < len(argv)):
+        if option.startswith("--") and name in LAUNCH_DEFAULTS and (equals or i + 1 < len(argv)):
             values.setdefault(name, []).append(value if equals else argv[i + 1])
     return values
 
@@ -151,9 +155,9 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     g.add_argument("--grad-accum", type=positive_int, default=1,
                    help="micro-batches per optimizer step; DDP, FSDP and ZeRO-1 reduce gradients only on the last, "
                         "ZeRO-2/3 on every one (they keep only their shard)")
-    g.add_argument("--lr", type=positive_float, default=1e-3,
-                   help="peak learning rate (a task may set its own default, or choose one for the model it "
-                        "loads: its flags' help says for which models)")
+    g.add_argument("--lr", type=positive_float,
+                   help="peak learning rate (default: the task's choice for the model it loads, which its flags' "
+                        "help describes)")
     g.add_argument("--optimizer", choices=("adamw", "adam"), default="adamw")
     g.add_argument("--weight-decay", type=non_negative_float, default=0.01, help="AdamW decoupled weight decay")
     g.add_argument("--scheduler", choices=("linear", "cosine", "one-cycle", "constant"), default="linear",
@@ -205,7 +209,7 @@ def build_parser(description: str) -> argparse.ArgumentParser:
 
 def parse_flags(parser: argparse.ArgumentParser, argv=None, presets: dict | None = None) -> argparse.Namespace:
     """Parses ``argv``; ``--config FILE`` values become defaults, and ``presets`` maps a flag to the defaults it
-    brings when set (``{"demo": {"lr": 2e-3}}``): the file wins over presets, the command line over both."""
+    brings when set (``{"demo": {"epochs": 1}}``): the file wins over presets, the command line over both."""
     args = parser.parse_args(argv)
     config = load_config(args.config, parser) if args.config else {}
     parser.set_defaults(**config)
@@ -219,8 +223,13 @@ def parse_flags(parser: argparse.ArgumentParser, argv=None, presets: dict | None
             raise UserError(f"unknown logger {name!r}: --logger takes a comma list of {', '.join(LOGGER_NAMES)}")
     if args.num_workers is not None and args.num_workers < 0:
         raise UserError("--num-workers must be 0 or more")
-    fabric_run_settings({name: getattr(args, name) for name in LAUNCH_SETTINGS})  # checked before torch loads
+    fabric_run_settings({name: getattr(args, name) for name in LAUNCH_DEFAULTS})  # checked before torch loads
     return args
+
+
+def with_values(args: argparse.Namespace, values: dict) -> argparse.Namespace:
+    """A copy of ``args`` with ``values`` for the flags they name: the parsed flags stay as the user gave them."""
+    return argparse.Namespace(**{**vars(args), **values})
 
 
 def load_config(path: str, parser: argparse.ArgumentParser) -> dict:

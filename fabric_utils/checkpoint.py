@@ -5,11 +5,13 @@ one ``rng-rank<r>.pt`` per rank, ``record.json`` (what the run must match to res
 that wrote it: read before anything is loaded) and ``manifest.json``: every other file and its size. It is written as
 ``.tmp-step-000123`` and renamed only once every rank has finished, so a folder without the ``.tmp-`` prefix was
 complete when written; ``--resume auto`` checks it against its manifest (a disk, a copy or a hand can damage it
-later) and resumes from the newest whole one.
+later) and resumes from the newest whole one. The state's ``"fingerprint"`` entry, which ``record.json`` repeats, is
+what defines the run (model, labels, optimization): a resume must match it.
 """
 
 import errno
 import json
+import pickle
 import random
 import re
 import shutil
@@ -27,6 +29,7 @@ from fabric_utils.launcher import scales_loss
 STEP_PATTERN = re.compile(r"^step-(\d+)$")
 MANIFEST = "manifest.json"
 RECORD = "record.json"
+FINGERPRINT = "fingerprint"
 LOSS_SCALER = "loss_scaler"
 
 
@@ -73,7 +76,7 @@ def save_checkpoint(fabric, root: Path, tag: str, state: dict, keep_last: int | 
                         f"--resume auto") from err
     fabric.barrier()
     if fabric.is_global_zero:
-        (tmp / RECORD).write_text(json.dumps({"world_size": fabric.world_size, "meta": state.get("meta")}))
+        (tmp / RECORD).write_text(json.dumps({"world_size": fabric.world_size, FINGERPRINT: state.get(FINGERPRINT)}))
         write_manifest(tmp)
         old = root / f".old-{tag}"
         if final.exists():  # replace (only "best" is ever rewritten): the old copy goes only after the new is in place
@@ -129,8 +132,9 @@ def _deepspeed_weights_only(fabric, state: dict):
 def load_weights(fabric, path: Path, model) -> None:
     """The model's weights from a checkpoint's ``state`` into the set-up ``model`` (the best model, once training
     is over). Asked for the weights alone, ZeRO-3 builds the whole fp32 model on every rank from every rank's files,
-    well above a rank's training peak; asked for its optimizer too, each rank reads its own file only. The optimizer's moments then
-    become the file's, none for a checkpoint written without an optimizer: no more steps can be taken after this."""
+    well above a rank's training peak; asked for its optimizer too, each rank reads its own file only. The
+    optimizer's moments then become the file's, none for a checkpoint written without an optimizer: no more steps
+    can be taken after this."""
     state = {"model": model}
     if isinstance(fabric.strategy, DeepSpeedStrategy) and fabric.strategy.zero_stage_3:
         state["optimizer"] = fabric.strategy.model.optimizer  # the engine's ZeRO optimizer
@@ -143,17 +147,12 @@ def write_manifest(folder: Path) -> None:
 
 
 def damage(path: Path) -> str | None:
-    """What is wrong with checkpoint folder ``path`` (None: nothing): a file its manifest lists that is missing or
-    of another size. A folder written before checkpoints had manifests must hold a non-empty ``state`` and rank 0's
-    RNG file, which is written after the state."""
+    """What is wrong with checkpoint folder ``path`` (None: nothing): its manifest missing or unreadable, or a file
+    it lists missing or of another size."""
     try:
         files = json.loads((path / MANIFEST).read_text())
-    except FileNotFoundError:
-        state = path / "state"
-        has_state = state.is_file() and state.stat().st_size > 0 or state.is_dir() and any(state.iterdir())
-        return None if has_state and (path / "rng-rank0.pt").is_file() else "its state or RNG file is missing"
     except (OSError, ValueError):
-        return f"its {MANIFEST} cannot be read"
+        return f"its {MANIFEST} is missing or cannot be read"
     for name, size in files.items():
         try:
             found = (path / name).stat().st_size
@@ -229,11 +228,9 @@ def agreed_resume_checkpoint(fabric, resume: str | None, root: Path,
 
 
 def read_record(path: Path) -> dict:
-    """A checkpoint's ``record.json``: ``world_size`` and ``meta`` ({} for a checkpoint written before records)."""
+    """A checkpoint's ``record.json``: ``world_size`` and ``fingerprint``."""
     try:
         return json.loads((path / RECORD).read_text())
-    except FileNotFoundError:
-        return {}
     except (OSError, ValueError) as err:
         raise UserError(f"cannot restore checkpoint {path}: its {RECORD} cannot be read ({type(err).__name__}); "
                         f"pass another --resume or start a new --out-dir") from err
@@ -246,23 +243,15 @@ def reshards(fabric, path: Path) -> bool:
     return (path / "state").is_file() or isinstance(fabric.strategy, ModelParallelStrategy)
 
 
-def load_checkpoint(fabric, path: Path, state: dict, expected_meta: dict | None = None) -> dict:
+def load_checkpoint(fabric, path: Path, state: dict, expected_fingerprint: dict | None = None) -> dict:
     """Restores ``state`` in place from ``path`` and this rank's RNG streams; returns what was not restored in
-    place. Refuses, before restoring anything, a checkpoint of another model, label set or optimization, one that
-    cannot be read, and one of another number of processes that cannot be resharded, with a UserError."""
+    place. Refuses with a UserError a checkpoint of another fingerprint (model, label set, optimization) or of
+    another number of processes that cannot be resharded, before restoring anything, and one that cannot be read."""
     record = read_record(path)
-    found = record.get("meta")
-    if (path / "state").is_file():  # one file (single device, DDP): check it before anything is restored
-        try:
-            peeked = _peek_meta(path / "state")
-        except Exception as err:  # torch's own message here suggests weights_only=False: not the fix for this
-            raise UserError(f"cannot restore checkpoint {path}: its state file is damaged or was not written by "
-                            f"train.py ({type(err).__name__}); pass another --resume or start a new --out-dir"
-                            ) from err
-        found = found if record else peeked
-    if expected_meta is not None:  # another model or label set would fail below with a cryptic shape error
-        _check_meta(path, found, json.loads(json.dumps(expected_meta)))  # as the record holds it: lists, not tuples
-    written_by = record.get("world_size", fabric.world_size)
+    if expected_fingerprint is not None:  # another model or label set would fail below with a cryptic shape error
+        # compared as the record holds it: lists, not tuples
+        _check_fingerprint(path, record[FINGERPRINT], json.loads(json.dumps(expected_fingerprint)))
+    written_by = record["world_size"]
     if written_by != fabric.world_size and not reshards(fabric, path):
         raise UserError(f"checkpoint {path} holds the shards of {written_by} processes, which "
                         f"{type(fabric.strategy).__name__} cannot reshard for {fabric.world_size}: resume on "
@@ -271,6 +260,9 @@ def load_checkpoint(fabric, path: Path, state: dict, expected_meta: dict | None 
     live = {key: obj for key, obj in target.items() if hasattr(obj, "load_state_dict")}
     try:
         remainder = fabric.load(path / "state", target, weights_only=True)
+    except pickle.UnpicklingError as err:  # torch's own message suggests weights_only=False: not the fix for this
+        raise UserError(f"cannot restore checkpoint {path}: its state file is damaged or was not written by "
+                        f"train.py; pass another --resume or start a new --out-dir") from err
     except Exception as err:  # torch, safetensors and DeepSpeed each raise their own kinds for a bad file
         message = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise UserError(f"cannot restore checkpoint {path}: {message[:300]} (is it from another model or "
@@ -294,15 +286,6 @@ def load_checkpoint(fabric, path: Path, state: dict, expected_meta: dict | None 
     return remainder
 
 
-def _peek_meta(state_path: Path):
-    """The ``meta`` entry of a single-file checkpoint, read without loading the tensors (memory-mapped); raises if
-    the file is not a readable checkpoint."""
-    checkpoint = torch.load(state_path, map_location="cpu", weights_only=True, mmap=True)
-    if not isinstance(checkpoint, dict):
-        raise TypeError(f"a {type(checkpoint).__name__}, not a dict")
-    return checkpoint.get("meta")
-
-
 def _same_value(a, b) -> bool:
     """Equal, or two spellings (relative, absolute, ~) of one local path."""
     if a == b:
@@ -313,9 +296,9 @@ def _same_value(a, b) -> bool:
     return pa.exists() and pb.exists() and pa.resolve() == pb.resolve()
 
 
-def _check_meta(path: Path, found, expected: dict) -> None:
-    """``expected`` is the task's record of what defines the model and its outputs (``TaskSpec.meta``)."""
-    if found is None or found == expected:
+def _check_fingerprint(path: Path, found, expected: dict) -> None:
+    """Refuses a checkpoint whose fingerprint is not ``expected``, naming each difference."""
+    if found == expected:
         return
     if not isinstance(found, dict):
         raise UserError(f"checkpoint {path} has no readable record of its task; start a new --out-dir or pass "

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import torch
 
+from fabric_utils.private import _load_distributed_checkpoint
+
 
 def full_state_dict(state_path: Path) -> dict:
     """The model's full, unsharded weights from a ``fabric.save`` checkpoint of any strategy."""
@@ -13,8 +15,7 @@ def full_state_dict(state_path: Path) -> dict:
         return torch.load(state_path, map_location="cpu", weights_only=True)["model"]
     if (state_path / "latest").exists() or any(state_path.glob("*/mp_rank_*")):  # DeepSpeed ZeRO shards
         return _zero_full_state_dict(state_path)
-    from lightning.fabric.utilities.load import _load_distributed_checkpoint  # FSDP's and FSDP2's shards
-    return _load_distributed_checkpoint(state_path)["model"]
+    return _load_distributed_checkpoint(state_path)["model"]  # FSDP's and FSDP2's shards
 
 
 def _zero_full_state_dict(state_path: Path) -> dict:

@@ -23,15 +23,13 @@ from lightning.fabric.accelerators import ACCELERATOR_REGISTRY
 from lightning.fabric.plugins.precision import DeepSpeedPrecision, Precision
 from lightning.fabric.strategies import STRATEGY_REGISTRY, DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
 from lightning.fabric.strategies import deepspeed as fabric_deepspeed
-from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
-from fabric_utils.args import FSDP2, LAUNCH_SETTINGS, fabric_run_settings, launched_by_cli
+from fabric_utils.args import FSDP2, LAUNCH_DEFAULTS, fabric_run_settings, launched_by_cli
 from fabric_utils.errors import PeerLost, UserError, lost_a_peer
+from fabric_utils.private import _BackwardSyncControl, set_backward_sync_control
 from fabric_utils.sharding import BlockPolicy, mixed_precision_policy, shard_blocks
-
-FABRIC_DEFAULTS = {"accelerator": "auto", "devices": "auto", "num_nodes": 1, "strategy": "auto"}
 
 
 def launch(fabric: Fabric) -> None:
@@ -101,12 +99,12 @@ def join_restarted_torchrun_workers(fabric: Fabric) -> None:
 
 def resolve_launch_settings(flags: dict) -> dict:
     """The five settings Fabric gets: the CLI's where ``fabric run`` set them (``fabric_run_settings``), else
-    ``flags`` (the script's own, None where not given), else defaults."""
+    ``flags`` (the script's own, None where not given), else the flags' defaults."""
     from_cli = fabric_run_settings(flags)
     settings = {}
-    for name in LAUNCH_SETTINGS:
+    for name, default in LAUNCH_DEFAULTS.items():
         given = flags.get(name)
-        settings[name] = from_cli.get(name, given if given is not None else FABRIC_DEFAULTS.get(name, "auto"))
+        settings[name] = from_cli.get(name, given if given is not None else default)
     settings["num_nodes"] = int(settings["num_nodes"])
     if settings["precision"] == "auto":
         settings["precision"] = auto_precision(settings["accelerator"], settings["strategy"])
@@ -262,7 +260,7 @@ def configure_deepspeed(strategy: DeepSpeedStrategy, grad_clip: float) -> None:
     strategy.config["gradient_clipping"] = grad_clip
     if strategy.precision.precision.startswith("bf16") and strategy.config["zero_optimization"]["stage"] >= 2:
         strategy.config.setdefault("data_types", {})["grad_accum_dtype"] = "fp32"
-    strategy._backward_sync_control = _DeepSpeedAccumulationBoundary()
+    set_backward_sync_control(strategy, _DeepSpeedAccumulationBoundary())
 
 
 class _DeepSpeedAccumulationBoundary(_BackwardSyncControl):

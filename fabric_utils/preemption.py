@@ -15,9 +15,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.rank_zero import rank_zero_only
-from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 
 from fabric_utils.launcher import end_job
+from fabric_utils.private import _SubprocessScriptLauncher, stop_workers
 
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "try again later"
 STATUS_FILE = "preempted.txt"  # in --out-dir; scripts/requeue.sh reads it
@@ -114,14 +114,6 @@ def ignore_sigterm_in_worker(worker_id: int) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
-def stop_workers(loader) -> None:
-    """Shuts down a loader's persistent worker processes, as Lightning's Trainer does at the end of a loop."""
-    loader = getattr(loader, "_dataloader", loader)  # inside Fabric's wrapper
-    if isinstance(getattr(loader, "_iterator", None), _MultiProcessingDataLoaderIter):
-        loader._iterator._shutdown_workers()
-        loader._iterator = None
-
-
 def write_atomically(path: Path, text: str) -> None:
     tmp = path.with_name(f".tmp-{path.name}")
     tmp.write_text(text)
@@ -130,7 +122,6 @@ def write_atomically(path: Path, text: str) -> None:
 
 def _started_by_lightning_launcher(fabric) -> bool:
     from lightning.fabric.plugins.environments import LightningEnvironment
-    from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
     strategy = fabric.strategy
     return (fabric.local_rank > 0 and isinstance(getattr(strategy, "launcher", None), _SubprocessScriptLauncher)

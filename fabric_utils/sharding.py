@@ -12,15 +12,12 @@ from typing import Callable
 
 import torch
 from lightning.fabric.strategies import DeepSpeedStrategy, ModelParallelStrategy
-from lightning.fabric.wrappers import _unwrap_compiled
 from torch import nn
 from torch.optim import Optimizer
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (CheckpointWrapper,
-                                                                         apply_activation_checkpointing,
-                                                                         checkpoint_wrapper)
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from fabric_utils.errors import UserError
+from fabric_utils.private import CheckpointWrapper, _unwrap_compiled, apply_activation_checkpointing, checkpoint_wrapper
 
 
 def find_block_classes(model: nn.Module) -> tuple[type, ...]:

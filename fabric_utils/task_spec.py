@@ -1,5 +1,5 @@
 """The contract between the loop (``train.py``) and a task (``task.py``): everything the loop needs to know about a
-job, and nothing it needs to know about how the task does it.
+task, and nothing it needs to know about how the task does it.
 
 A task module provides:
 
@@ -13,8 +13,8 @@ A task module provides:
 - ``setup(args, verbose) -> TaskSpec``: built from the parsed flags, whole. It runs on every rank, local rank 0 of
   each node first, so it may cache what it prepares (tokenization, downloads) for the others to read. ``verbose``
   (progress bars wanted) is false on every rank but the first, under ``--quiet``, and in a log unless ``--verbose``.
-  It may fill in a loop flag whose default it set to None in ``add_args`` from what it loads (a learning rate for
-  the model's size): the loop reads it after ``setup``, and ``config.yaml`` records the value.
+  It leaves ``args`` as parsed: what it decides for flags left to it (``--lr``, whose default is None: a rate for
+  the model it loads) it returns in ``TaskSpec.chosen``, which the loop runs with and ``config.yaml`` records.
 
 - ``predict(folder, file, flags, batch_size)`` (optional, for ``predict.py``): the exported model's (``folder``)
   ``Objective.predict`` columns, and a ``"row"`` index, for each row of a file, read as the run read its data
@@ -83,3 +83,5 @@ class TaskSpec:
     # the training loss of the best output that ignores the inputs (chance level): a run whose loss stays there is said
     # not to learn
     chance_loss: float | None = None
+    # flag name (as in args) -> the value the task chose for it ("lr" where --lr was left to it, what auto detected)
+    chosen: dict = field(default_factory=dict)

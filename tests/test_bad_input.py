@@ -4,8 +4,8 @@ already in --out-dir is touched.
 
 Importing train.py's dependencies takes ~10 s here, far more than most of these runs need to fail. So one
 harness process imports them once and then runs each case as ``train.py``'s ``__main__`` in a forked child with its
-own stdout/stderr files, exit status and traceback printing exactly as ``python train.py ARGS`` would have. Two cases
-also run as real ``python train.py`` subprocesses, which checks that the harness reports what a real run does."""
+own stdout/stderr files, exit status and traceback printing exactly as ``python train.py ARGS`` would have. One case
+also runs as a real ``python train.py`` subprocess, which checks that the harness reports what a real run does."""
 
 import hashlib
 import json
@@ -129,17 +129,20 @@ def build_cases(tmp: Path) -> tuple[list, dict]:
     (tmp / "header_only.csv").write_text("text,label\n")
     (tmp / "garbage.parquet").write_bytes(b"this is not parquet\n" * 10)
     (tmp / "a_file").write_text("not a folder\n")
-    corrupt = tmp / "corrupt" / "step-000010"
-    corrupt.mkdir(parents=True)
-    (corrupt / "state").write_bytes(os.urandom(4096))
-    (corrupt / "rng-rank0.pt").write_bytes(b"garbage")
     other_model = tmp / "other_model"  # written by the harness: another model with the same labels
     good_out = tmp / "good_run"
     good_ckpt = good_out / "checkpoints" / "step-000002"
-    bad_rng = tmp / "bad_rng" / "step-000002"  # the good run's state with a damaged RNG file
-    bad_rng.mkdir(parents=True)
+    # the good run's checkpoint (its record, so the resume gets as far as loading) with damage its manifest cannot
+    # see: a state file of random bytes, a damaged RNG file
+    corrupt, bad_rng = tmp / "corrupt" / "step-000002", tmp / "bad_rng" / "step-000002"
+    for damaged in (corrupt, bad_rng):
+        damaged.mkdir(parents=True)
+        (damaged / "record.json").symlink_to(good_ckpt / "record.json")
+        (damaged / "rng-rank0.pt").write_bytes(b"garbage")
+    (corrupt / "state").write_bytes(os.urandom(4096))
     (bad_rng / "state").symlink_to(good_ckpt / "state")
-    (bad_rng / "rng-rank0.pt").write_bytes(b"garbage")
+    (corrupt / "manifest.json").write_text(json.dumps({"state": 4096, "rng-rank0.pt": 7}))
+    (bad_rng / "manifest.json").write_text(json.dumps({"rng-rank0.pt": 7}))
 
     bad_config, not_yaml = tmp / "bad.yaml", tmp / "not.yaml"
     bad_config.write_text("lr: -1.0\n")  # a value the flag's own check refuses
@@ -175,14 +178,14 @@ def build_cases(tmp: Path) -> tuple[list, dict]:
         ("no_label_column", ["--model", MODEL, *QUICK, "--dataset", str(tmp / "no_label.csv")], 2,
          "has no column 'label'; its columns are ['text', 'sentiment'] (set --text-column / --label-column)", False),
         ("negative_labels", ["--model", MODEL, *QUICK, "--dataset", str(tmp / "negative.csv")], 2,
-         "negative labels [-1]", False),
+         "negative labels [-1]", True),
         ("more_labels_than_the_model", ["--model", MODEL, *QUICK, "--dataset", str(three)], 2,
          "classifies 2 labels", False),
         ("model_missing", ["--dataset", str(ok), *QUICK, "--model", str(tmp / "no_model")], 2,
          "does not exist (pass a hub id or an existing folder to --model)", False),
         ("resume_missing", [*data, "--resume", str(tmp / "no_checkpoint")], 2, "is not a checkpoint folder", False),
-        ("corrupt_checkpoint", [*data, "--resume", str(corrupt)], 2,
-         f"cannot restore checkpoint {corrupt}: its state file is damaged or was not written by train.py", True),
+        ("corrupt_checkpoint", [*data, *resume, "--resume", str(corrupt)], 2,
+         f"cannot restore checkpoint {corrupt}: its state file is damaged or was not written by train.py", False),
         ("corrupt_rng_file", [*data, *resume, "--resume", str(bad_rng)], 2,
          f"cannot restore checkpoint {bad_rng}: its rng-rank0.pt is damaged", False),
         ("checkpoint_other_labels", ["--model", MODEL, "--dataset", str(other_labels), *QUICK, *resume,
@@ -262,8 +265,8 @@ def test_the_good_run_works(outcomes):
     result = results["good_run"]
     assert result["rc"] == 0, result["stderr"][-5000:]
     assert (facts["good_ckpt"] / "state").is_file()
-    meta = torch.load(facts["good_ckpt"] / "state", weights_only=True, mmap=True)["meta"]
-    assert {k: meta[k] for k in ("model", "labels", "problem_type", "optimizer steps (--max-steps, --epochs)")} == {
+    recorded = torch.load(facts["good_ckpt"] / "state", weights_only=True, mmap=True)["fingerprint"]
+    assert {k: recorded[k] for k in ("model", "labels", "problem_type", "optimizer steps (--max-steps, --epochs)")} == {
         "model": MODEL, "labels": ["negative", "positive"], "problem_type": "single_label",
         "optimizer steps (--max-steps, --epochs)": 2}
 

@@ -241,5 +241,5 @@ def test_tokenized_batches_of_new_label_types_feed_the_model_loss(tmp_path, demo
         ignore_mismatched_sizes=True)
     model.eval()  # no dropout: the two forwards below must agree
     hf_loss = model(**batch).loss  # transformers' own loss for the problem type
-    objective = task.Objective(data.problem_type, num_labels=len(data.label_names))
+    objective = task.ClassifierObjective(data.problem_type, num_labels=len(data.label_names))
     torch.testing.assert_close(objective.loss(objective.forward(model, batch), batch), hf_loss)  # the template's

@@ -131,14 +131,15 @@ def _log_on_rank(rank: int, port: int, results):
 
     from fabric_utils.launcher import end_job
     from fabric_utils.progress import Progress
-    from task import Objective
+    from task import ClassifierObjective
 
     # as torchrun would start it: Fabric joins the job instead of starting processes
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank),
                       LOCAL_RANK=str(rank), NODE_RANK="0")
     fabric = Fabric(accelerator="cpu", devices=2, strategy="ddp")
     fabric.launch()
-    progress = Progress(fabric, total_steps=1, quiet=True, metrics=Objective("single_label", num_labels=2).make_metrics())
+    progress = Progress(fabric, total_steps=1, quiet=True,
+                        metrics=ClassifierObjective("single_label", num_labels=2).make_metrics())
     loss = torch.tensor(float("nan") if rank == 1 else 0.5)  # only rank 1 diverged
     progress.update(loss, torch.zeros(4, 2), torch.zeros(4, dtype=torch.long))
     results[rank] = progress.log(step=1, lr=1e-3)["train/loss"]

@@ -42,5 +42,5 @@ def test_a_run_without_lr_trains_at_its_models_rate_and_records_it(tmp_path):
     assert len(logged) == 4 and max(logged) == pytest.approx(5e-5)  # the optimizer's peak is the recorded rate
 
     given = parse_args([*flags, "--lr", "1e-4"])
-    task.setup(given, verbose=False)
-    assert given.lr == 1e-4  # a given --lr is kept
+    assert "lr" not in task.setup(given, verbose=False).chosen and given.lr == 1e-4  # a given --lr is kept
+    assert task.setup(parse_args([*flags, "--lora-r", "4"]), verbose=False).chosen["lr"] == task.LORA_LR

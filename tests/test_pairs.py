@@ -17,7 +17,7 @@ from data.demo import FILLER, NEGATIVE, POSITIVE, SPECIAL, prepare_demo
 from data.sources import load_splits
 from data.tokenize import make_collator, tokenize_splits
 from fabric_utils.errors import UserError
-from task import Objective
+from task import ClassifierObjective
 
 VOCAB = {token: i for i, token in enumerate(SPECIAL + sorted(set(POSITIVE + NEGATIVE + FILLER)))}
 ROWS = pd.DataFrame({"text": ["a great film", "dull and boring", "quite good acting", "awful plot"] * 5,
@@ -62,7 +62,7 @@ def test_pairs_are_tokenized_and_fed_the_way_the_model_expects(tmp_path, monkeyp
     batch = make_collator(tokenizer, False, 8, 8)([rows[i] for i in range(len(rows))])
     torch.manual_seed(0)
     model = model_class(config).eval()
-    logits = Objective("single_label", 2).forward(model, batch)  # DistilBERT: no token_type_ids to refuse
+    logits = ClassifierObjective("single_label", 2).forward(model, batch)  # DistilBERT: no token_type_ids to refuse
     if uses_types:
         assert batch["token_type_ids"].any()  # the pair's tokens are segment 1
         inputs = {k: v for k, v in batch.items() if k != "labels"}

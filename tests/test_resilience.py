@@ -36,13 +36,15 @@ def plant_damaged_checkpoints(ckpt_dir: Path) -> None:
     tmp.mkdir()
     (tmp / "state").write_bytes(b"half a checkpoint")
     (tmp / "rng-rank0.pt").write_bytes(b"garbage")
-    no_rng = ckpt_dir / "step-000098"  # state written, RNG files never came
+    no_rng = ckpt_dir / "step-000098"  # its RNG file lost since it was written
     no_rng.mkdir()
     (no_rng / "state").write_bytes(b"garbage")
-    empty_state = ckpt_dir / "step-000097"  # a zero-length state file
+    (no_rng / "manifest.json").write_text(json.dumps({"state": 7, "rng-rank0.pt": 7}))
+    empty_state = ckpt_dir / "step-000097"  # its state file emptied since
     empty_state.mkdir()
     (empty_state / "state").write_bytes(b"")
     (empty_state / "rng-rank0.pt").write_bytes(b"garbage")
+    (empty_state / "manifest.json").write_text(json.dumps({"state": 7, "rng-rank0.pt": 7}))
     (ckpt_dir / "step-000096").mkdir()  # an empty folder
 
 
@@ -202,36 +204,39 @@ def test_sigterm_to_the_launcher_of_two_cpu_processes(tmp_path):
 def test_find_resume_checkpoint_trusts_only_complete_folders(tmp_path):
     """The rules behind --resume auto, without a run: newest complete step folder wins; a ``best`` whose
     replacement was interrupted between its two renames is put back."""
-    from fabric_utils.checkpoint import find_resume_checkpoint, step_checkpoints
+    from fabric_utils.checkpoint import find_resume_checkpoint, step_checkpoints, write_manifest
 
     ckpt = tmp_path / "checkpoints"
-    for step in (5, 10):
-        (ckpt / f"step-{step:06d}").mkdir(parents=True)
-        (ckpt / f"step-{step:06d}" / "state").write_bytes(b"x")
-        (ckpt / f"step-{step:06d}" / "rng-rank0.pt").write_bytes(b"x")
+    for name in ("step-000005", "step-000010", ".old-best"):
+        (ckpt / name).mkdir(parents=True)
+        (ckpt / name / "state").write_bytes(b"x")
+        (ckpt / name / "rng-rank0.pt").write_bytes(b"x")
+        write_manifest(ckpt / name)
     plant_damaged_checkpoints(ckpt)
-    (ckpt / ".old-best").mkdir()
-    (ckpt / ".old-best" / "state").write_bytes(b"x")
-    (ckpt / ".old-best" / "rng-rank0.pt").write_bytes(b"x")
-    assert find_resume_checkpoint("auto", ckpt) == ckpt / "step-000010"
+    said = []
+    assert find_resume_checkpoint("auto", ckpt, report=said.append) == ckpt / "step-000010"
+    assert [line.split(": ", 1)[1] for line in said] == [
+        "its manifest.json is missing or cannot be read", "state has 0 bytes, not the 7 written",
+        "rng-rank0.pt is missing"]
     assert [p.name for p in step_checkpoints(ckpt)] == ["step-000005", "step-000010"]
     assert (ckpt / "best" / "state").is_file() and not (ckpt / ".old-best").exists()
     assert find_resume_checkpoint(None, ckpt) is None
     assert find_resume_checkpoint("auto", tmp_path / "none") is None
 
 
-def test_checkpoint_meta_accepts_another_spelling_of_the_same_model_folder(tmp_path, monkeypatch):
-    from fabric_utils.checkpoint import _check_meta
+def test_checkpoint_fingerprint_accepts_another_spelling_of_the_same_model_folder(tmp_path, monkeypatch):
+    from fabric_utils.checkpoint import _check_fingerprint
     from fabric_utils.errors import UserError
 
     (tmp_path / "model").mkdir()
     monkeypatch.chdir(tmp_path)
     labels = ["negative", "positive"]
-    _check_meta(tmp_path, {"model": "model", "labels": labels}, {"model": str(tmp_path / "model"), "labels": labels})
+    _check_fingerprint(tmp_path, {"model": "model", "labels": labels},
+                       {"model": str(tmp_path / "model"), "labels": labels})
     with pytest.raises(UserError, match="was written with model"):
-        _check_meta(tmp_path, {"model": "model", "labels": labels}, {"model": "other", "labels": labels})
+        _check_fingerprint(tmp_path, {"model": "model", "labels": labels}, {"model": "other", "labels": labels})
     with pytest.raises(UserError, match="was written with labels"):
-        _check_meta(tmp_path, {"model": "model", "labels": labels}, {"model": "./model", "labels": ["a", "b"]})
+        _check_fingerprint(tmp_path, {"model": "model", "labels": labels}, {"model": "./model", "labels": ["a", "b"]})
     with pytest.raises(UserError, match=r"was written with problem_type multi_label \(now single_label\)"):
-        _check_meta(tmp_path, {"model": "model", "labels": labels, "problem_type": "multi_label"},
+        _check_fingerprint(tmp_path, {"model": "model", "labels": labels, "problem_type": "multi_label"},
                     {"model": "./model", "labels": labels, "problem_type": "single_label"})

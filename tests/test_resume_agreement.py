@@ -4,7 +4,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from fabric_utils.checkpoint import agreed_resume_checkpoint
+from fabric_utils.checkpoint import agreed_resume_checkpoint, write_manifest
 from fabric_utils.errors import UserError
 
 
@@ -13,6 +13,7 @@ def write_checkpoint(root, step: int):
     folder.mkdir(parents=True)
     (folder / "state").write_bytes(b"x")
     (folder / "rng-rank0.pt").write_bytes(b"x")
+    write_manifest(folder)
     return folder
 
 

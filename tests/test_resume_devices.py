@@ -68,11 +68,12 @@ def test_a_checkpoint_that_cannot_be_resharded_is_refused_with_one_line(tmp_path
 
     checkpoint = tmp_path / "step-000004"
     (checkpoint / "state").mkdir(parents=True)  # a sharded checkpoint is a folder of shards
-    (checkpoint / "record.json").write_text(json.dumps({"world_size": 2, "meta": {"seed": 1}}))
+    (checkpoint / "record.json").write_text(json.dumps({"world_size": 2, "fingerprint": {"seed": 1}}))
     fabric = build_fabric(accelerator="cpu", devices=1, strategy="auto", precision="32-true")
     with pytest.raises(UserError, match=r"holds the shards of 2 processes, which SingleDeviceStrategy cannot reshard "
                                         r"for 1: resume on 2 \(ddp and fsdp2 checkpoints"):
-        load_checkpoint(fabric, checkpoint, {"step": 0, "meta": {"seed": 1}}, expected_meta={"seed": 1})
+        load_checkpoint(fabric, checkpoint, {"step": 0, "fingerprint": {"seed": 1}},
+                        expected_fingerprint={"seed": 1})
 
 
 def test_an_error_on_one_rank_is_one_line_naming_it_and_no_rank_prints_a_traceback(runs, tmp_path):

@@ -65,11 +65,12 @@ def main():
         fabric, model, lambda m, shapes: build_optimizer(m, name="adamw", lr=3e-2, weight_decay=0.01,
                                                          device=fabric.device, shapes=shapes))
     scheduler = build_scheduler(optimizer, "linear", lr=3e-2, max_steps=args.steps, warmup_steps=2)
-    state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "step": 0, "meta": {"job": "plain"}}
+    state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "step": 0,
+             "fingerprint": {"job": "plain"}}
     ckpt_dir = args.out_dir / "checkpoints"
     if args.resume:
         load_checkpoint(fabric, agreed_resume_checkpoint(fabric, "auto", ckpt_dir), state,
-                        expected_meta={"job": "plain"})
+                        expected_fingerprint={"job": "plain"})
     progress = Progress(fabric, args.steps, quiet=True, metrics=MetricCollection({"mse": MeanSquaredError()}))
     monitor = Throughput(fabric, peak_tflops=1.0, flops_of=flops_of, sized=False)
     monitor.start(state["step"])
