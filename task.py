@@ -393,8 +393,8 @@ def row_lengths(batch: dict) -> torch.Tensor:
 # ---- predictions on new rows: predict.py ------------------------------------------------------------------------------
 def predict(folder: Path, source: Path, flags: dict, batch_size: int) -> dict[str, torch.Tensor]:
     """The exported model's (``folder``) predictions for each row of the file ``source``, whose texts are read as the
-    run that trained the model read its data (``flags``: its config.yaml): ``Objective.predict``'s columns and each
-    row's index."""
+    run that trained the model read its data (``flags``: its config.yaml): ``ClassifierObjective.predict``'s columns
+    and each row's index."""
     import datasets
     import torch
     from transformers import AutoModelForSequenceClassification
@@ -411,8 +411,8 @@ def predict(folder: Path, source: Path, flags: dict, batch_size: int) -> dict[st
                         f"trained on {' and '.join(texts)}")
     tokenizer = load_tokenizer(str(folder))
     model = AutoModelForSequenceClassification.from_pretrained(folder).eval()
-    objective = Objective({hf: name for name, hf in HF_PROBLEM_TYPES.items()}[model.config.problem_type],
-                          num_labels=model.config.num_labels)
+    problem_type = {hf: name for name, hf in HF_PROBLEM_TYPES.items()}[model.config.problem_type]
+    objective = ClassifierObjective(problem_type, num_labels=model.config.num_labels)
     inputs = tokenize_splits(datasets.DatasetDict(rows=rows.select_columns(texts)), tokenizer, flags["text_column"],
                              flags["max_length"], flags["text_pair_column"])["rows"].remove_columns("length")
     collate = make_collator(tokenizer, False, flags["max_length"], flags["pad_to_multiple_of"])
