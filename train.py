@@ -50,6 +50,7 @@ from fabric_utils.loggers import (finalize_loggers, make_loggers, plot_metrics, 
                                   saved_tracker_ids)
 from fabric_utils.optim import build_optimizer, build_scheduler, count_parameters, count_warmup_steps
 from fabric_utils.preemption import STATUS_FILE, Preemption
+from fabric_utils.pretrained import build_model, load_pretrained
 from fabric_utils.progress import Progress, say, shows_bars, silence_libraries
 from fabric_utils.run_folder import (environment_report, locked_run_folder, prepare_out_dir, remove_if_unused,
                                      save_config, write_predictions)
@@ -95,10 +96,13 @@ def main(fabric, args, out_dir: Path) -> dict:
     for note in job.notes:
         say(note)
     objective = job.objective
-    model = declare_blocks(job.build_model(), job.blocks)
+    resume_from = agreed_resume_checkpoint(fabric, args.resume, out_dir / "checkpoints", report=say)
+    # under fsdp, fsdp2 and ZeRO-3 already sharded, filled with the pretrained values at set-up (not on a resume)
+    model, pretrained = build_model(fabric, job.build_model, job.build_skeleton, pretrained=not resume_from)
+    model = declare_blocks(model, job.blocks)
     if args.grad_checkpointing and not strategy_checkpoints_blocks(fabric.strategy):
         recompute_blocks(model)  # FSDP and FSDP2 recompute the blocks they shard themselves
-    params = count_parameters(model)  # now, while every rank holds every weight (no strategy has sharded them)
+    params = count_parameters(model)
 
     step_loss = functools.partial(training_loss, objective)
     flops_of = training_flops_fn(  # FLOPs of forward and backward, for MFU
@@ -110,10 +114,11 @@ def main(fabric, args, out_dir: Path) -> dict:
                                                               weight_decay=args.weight_decay, device=fabric.device,
                                                               offload=offloads_optimizer(fabric),
                                                               loss_scaling=scales_loss(fabric), shapes=shapes))
+    if pretrained:
+        load_pretrained(fabric, model, pretrained)
     if args.batch_size == "auto":  # probed on the model and optimizer as set up: wrapped, sharded, with state
         args.batch_size = find_batch_size(fabric, model, optimizer, loss_fn=step_loss,
                                           make_batch=lambda rows: job.example_batch(rows, None, fabric.device))
-    resume_from = agreed_resume_checkpoint(fabric, args.resume, out_dir / "checkpoints", report=say)
     if resume_from:  # a requeued job may come back on fewer devices: it continues with the same optimizer steps
         args.grad_accum = keep_rows_per_step(fabric, args, read_record(resume_from))
     loaders = make_loaders(fabric, args, job)

@@ -100,7 +100,27 @@ def shard_blocks(model: nn.Module, device_mesh, grad_checkpointing: bool,
         if isinstance(module, blocks):
             fully_shard(module, mesh=mesh, mp_policy=mp_policy)
     fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+    if any(param.is_meta for param in model.parameters()):  # a skeleton: each rank's shards get memory, no values
+        materialize(model, torch.device("cpu") if mesh.device_type == "cpu"
+                    else torch.device(mesh.device_type, torch.accelerator.current_device_index()))
     return model
+
+
+def materialize(module: nn.Module, device: torch.device, recurse: bool = True) -> None:
+    """Memory on ``device`` for ``module``'s parameters on the meta device, their values unset (the pretrained
+    values or a checkpoint fill them); its buffers, real already, keep their values."""
+    buffers = {name: buffer.to(device) for name, buffer in module.named_buffers(recurse=recurse)}
+    module.to_empty(device=device, recurse=recurse)
+    with torch.no_grad():
+        for name, buffer in module.named_buffers(recurse=recurse):
+            buffer.copy_(buffers[name])
+
+
+def materialize_unit(module: nn.Module) -> None:
+    """FSDP's ``param_init_fn``, called on each module of a unit as the unit is wrapped, where a parameter is on
+    the meta device: on the CPU, from where FSDP moves the unit to its device and shards it."""
+    if any(param.is_meta for param in module.parameters(recurse=False)):
+        materialize(module, torch.device("cpu"), recurse=False)
 
 
 def gather_one_block_at_a_time(zero_config: dict, model: nn.Module) -> None:
