@@ -263,15 +263,17 @@ def build_model(source: str, label_names: list[str], problem_type: str, attentio
                                                                    trust_remote_code=False)
         if lora_r:
             model = add_lora(model, r=lora_r, alpha=lora_alpha or 2 * lora_r, dropout=lora_dropout,
-                             target_modules=lora_target_modules)
+                             target_modules=lora_target_modules, upcast=weights)
     return model.train()  # from_pretrained returns eval mode: dropout would stay off
 
 
-def add_lora(model, r: int, alpha: float, dropout: float, target_modules: list[str] | None):
+def add_lora(model, r: int, alpha: float, dropout: float, target_modules: list[str] | None, upcast: bool = True):
     """Freezes ``model`` and adds LoRA adapters (``W + alpha / r * B @ A``, B starting at zero) to the linear layers
     named ``target_modules`` (default: peft's per-architecture choice). peft's sequence-classification task keeps
     the head trainable: every module whose name ends in "classifier" or "score" (DistilBERT's pre_classifier too).
-    peft is imported only here: it adds a second to every start."""
+    ``upcast`` makes the adapters fp32 next to 16-bit weights; a skeleton is fp32 already, and under ZeRO-3 its
+    weights take DeepSpeed's one dtype as they are made, which fp32 adapters would break. peft is imported only
+    here: it adds a second to every start."""
     import torch
     from peft import LoraConfig, TaskType, get_peft_model
     from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as PEFT_TARGETS
@@ -286,7 +288,7 @@ def add_lora(model, r: int, alpha: float, dropout: float, target_modules: list[s
     config = LoraConfig(task_type=TaskType.SEQ_CLS, r=r, lora_alpha=alpha, lora_dropout=dropout,
                         target_modules=list(target_modules))
     try:
-        return get_peft_model(model, config)
+        return get_peft_model(model, config, autocast_adapter_dtype=upcast)
     except ValueError as err:  # peft's check that every name matches a layer
         raise UserError(f"--lora-target-modules {' '.join(target_modules)}: {str(err).splitlines()[0]} (its linear "
                         f"layers: {linear})") from err
