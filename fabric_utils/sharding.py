@@ -166,8 +166,9 @@ def setup_model_and_optimizer(fabric, model: nn.Module,
 
     The weights become fp32 whatever dtype the pretrained file holds: mixed precision computes in 16 bits but must
     update fp32 weights (fp16 gradients cannot even be unscaled), and Fabric's precision converts from there where it
-    keeps them in another dtype (bf16-true). They are cast before set-up, when each rank holds them whole anyway;
-    FSDP2 casts each rank's shards after sharding instead, so no rank holds a bf16-saved model whole in fp32.
+    keeps them in another dtype (bf16-true). They are cast before set-up, when each rank holds them whole anyway (a
+    skeleton, fabric_utils/pretrained.py, is fp32 already and holds no values yet); FSDP2 casts each rank's shards
+    after sharding instead, so no rank holds a bf16-saved model whole in fp32.
     DeepSpeed in 16 bits casts the weights to them itself and makes its fp32 master weights from those: a cast to
     fp32 first would change no value, and only add a whole fp32 copy to each rank's peak."""
     sharded_after = isinstance(fabric.strategy, ModelParallelStrategy)

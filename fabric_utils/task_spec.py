@@ -17,12 +17,13 @@ A task module provides:
   the model's size): the loop reads it after ``setup``, and ``config.yaml`` records the value.
 
 A model bigger than one device: under ``fsdp``, ``fsdp2`` and ``deepspeed_stage_3`` a task that gives
-``TaskSpec.build_skeleton`` has no rank hold its whole model. Every rank builds the skeleton already sharded (its
-parameters on the meta device, or partitioned by ``deepspeed.zero.Init`` as they are made: it must not read or
-initialize their values, and its buffers are kept as it makes them), and rank 0 alone calls ``build_model``, whose
-parameters and buffers, by name, fill each rank's shards; a resume calls neither's values but the checkpoint's. Under
-ddp, one device and ZeRO-1/2, for a skeleton that ties weights under fsdp and fsdp2, and for a task that gives no
-skeleton, every rank calls ``build_model`` and holds the whole model until the strategy shards it.
+``TaskSpec.build_skeleton`` has no rank hold its whole model (fabric_utils/pretrained.py). Every rank builds the
+skeleton already sharded: its parameters on the meta device, or partitioned by ``deepspeed.zero.Init`` as they are
+made, so it must neither read nor initialize their values; its buffers are kept as it makes them. Rank 0 alone calls
+``build_model``, whose parameters and buffers, by name, fill each rank's shards. A resume calls no ``build_model``
+under any strategy: the skeleton takes the checkpoint's values. Under ddp, one device and ZeRO-1/2, for a skeleton
+that ties weights under fsdp and fsdp2, and for a task that gives no skeleton (the loop's fallback), every rank calls
+``build_model`` and holds the whole model until the strategy shards it.
 
 A model built by ``TaskSpec.build_model`` must take a batch through ``objective.forward`` and give outputs that
 ``objective.loss`` and the metrics take; batches are dicts of tensors, rows first, with the targets under
