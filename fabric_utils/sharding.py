@@ -102,7 +102,7 @@ def shard_blocks(model: nn.Module, device_mesh, grad_checkpointing: bool,
     fully_shard(model, mesh=mesh, mp_policy=mp_policy)
     if any(param.is_meta for param in model.parameters()):  # a skeleton: each rank's shards get memory, no values
         materialize(model, torch.device("cpu") if mesh.device_type == "cpu"
-                    else torch.device(mesh.device_type, torch.accelerator.current_device_index()))
+                    else torch.device(mesh.device_type, torch.get_device_module(mesh.device_type).current_device()))
     return model
 
 
