@@ -41,7 +41,7 @@ def build_model(fabric, build: Callable[[], nn.Module], build_skeleton: Callable
             return build()
 
     sharded = builds_sharded(fabric.strategy)
-    if build_skeleton is None or not (sharded or not pretrained):
+    if build_skeleton is None or (pretrained and not sharded):
         return source(), None
     with torch.random.fork_rng(devices=[]):
         if sharded and isinstance(fabric.strategy, DeepSpeedStrategy):
