@@ -6,7 +6,6 @@ The columns are those of the run's test_predictions.csv but the label (the row's
 score): FILE needs no labels. The task (``task.predict``) says how its exported model reads a file.
 """
 
-import argparse
 from pathlib import Path
 
 import yaml

@@ -17,6 +17,7 @@ a bad flag answer before they load (seconds).
 from __future__ import annotations  # types are only named, never needed before the libraries load
 
 import argparse
+import contextlib
 import copy
 from dataclasses import dataclass
 from pathlib import Path
@@ -120,11 +121,11 @@ def setup(args: argparse.Namespace, verbose: bool) -> TaskSpec:
     objective = ClassifierObjective(data.problem_type, num_labels=len(data.label_names))
     from data.tokenize import make_collator
 
-    def build() -> torch.nn.Module:
+    def build(weights: bool = True) -> torch.nn.Module:
         return build_model(data.model_source, data.label_names, data.problem_type,
                            attention_dropout=args.attention_dropout, hidden_dropout=args.hidden_dropout,
                            lora_r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-                           lora_target_modules=args.lora_target_modules)
+                           lora_target_modules=args.lora_target_modules, weights=weights)
 
     def example_batch(rows: int, length: int | None, device) -> dict:
         return objective.dummy_batch(rows, length or args.max_length, vocab_size=len(data.tokenizer), device=device)
@@ -132,7 +133,8 @@ def setup(args: argparse.Namespace, verbose: bool) -> TaskSpec:
     return TaskSpec(
         datasets={name: split.remove_columns("length").with_format("torch") for name, split in data.splits.items()},
         collate=make_collator(data.tokenizer, args.pad_to_max_length, args.max_length, args.pad_to_multiple_of),
-        build_model=build, objective=objective, example_batch=example_batch,
+        build_model=build, build_skeleton=lambda: build(weights=False), objective=objective,
+        example_batch=example_batch,
         export=lambda weights, model, folder: export(weights, model, data.tokenizer, folder),
         # the demo's model is a cache in each node's own HOME: its folder differs from node to node
         meta={"model": "--demo" if args.demo else data.model_source, "labels": data.label_names,
@@ -237,13 +239,17 @@ def learning_rate_for(config, lora: bool = False, demo: bool = False) -> float:
 def build_model(source: str, label_names: list[str], problem_type: str, attention_dropout: float | None,
                 hidden_dropout: float | None, lora_r: int = 0,
                 lora_alpha: float | None = None, lora_dropout: float = 0.0,
-                lora_target_modules: list[str] | None = None) -> torch.nn.Module:
+                lora_target_modules: list[str] | None = None, weights: bool = True) -> torch.nn.Module:
     """The pretrained encoder with a fresh head for ``label_names`` (never running remote code). Its config carries
     the problem type and the label names, so the exported model predicts the right way (softmax, sigmoid or a
     number). A dropout of None keeps the model's own. ``lora_r`` > 0 freezes it and adds LoRA adapters
     (``add_lora``). The weights keep the dtype the folder holds (transformers memory-maps its safetensors file): the
-    loop makes them fp32, under fsdp2 once each rank holds only its shards, so no rank converts the whole."""
-    from transformers import AutoModelForSequenceClassification
+    loop makes them fp32, under fsdp2 once each rank holds only its shards, so no rank converts the whole. Without
+    ``weights``, the same model in fp32 with no weight read or initialized: the skeleton that the loop builds
+    sharded under fsdp, fsdp2 and ZeRO-3 and fills from the pretrained model on rank 0."""
+    import torch
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+    from transformers.initialization import no_init_weights
 
     config = load_model_config(source)
     trained_labels = list(config.id2label.values()) if config.architectures and any(
@@ -256,22 +262,31 @@ def build_model(source: str, label_names: list[str], problem_type: str, attentio
         overrides.update(attention_probs_dropout_prob=attention_dropout, attention_dropout=attention_dropout)
     if hidden_dropout is not None:
         overrides.update(hidden_dropout_prob=hidden_dropout, dropout=hidden_dropout)
-    model = AutoModelForSequenceClassification.from_pretrained(
+    config = AutoConfig.from_pretrained(
         source, num_labels=len(label_names), id2label=dict(enumerate(label_names)),
         label2id={name: i for i, name in enumerate(label_names)}, problem_type=HF_PROBLEM_TYPES[problem_type],
-        trust_remote_code=False, dtype="auto",
-        **{k: v for k, v in overrides.items() if hasattr(config, k)})
-    if lora_r:
-        model = add_lora(model, r=lora_r, alpha=lora_alpha or 2 * lora_r, dropout=lora_dropout,
-                         target_modules=lora_target_modules)
+        trust_remote_code=False, **{k: v for k, v in overrides.items() if hasattr(config, k)})
+    # the skeleton's initializers would write into weights that hold no memory (meta) or a ZeRO-3 partition
+    with contextlib.nullcontext() if weights else no_init_weights():
+        if weights:
+            model = AutoModelForSequenceClassification.from_pretrained(source, config=config, dtype="auto",
+                                                                       trust_remote_code=False)
+        else:  # fp32, not the dtype the config names (the file's)
+            model = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32,
+                                                                   trust_remote_code=False)
+        if lora_r:
+            model = add_lora(model, r=lora_r, alpha=lora_alpha or 2 * lora_r, dropout=lora_dropout,
+                             target_modules=lora_target_modules, upcast=weights)
     return model.train()  # from_pretrained returns eval mode: dropout would stay off
 
 
-def add_lora(model, r: int, alpha: float, dropout: float, target_modules: list[str] | None):
+def add_lora(model, r: int, alpha: float, dropout: float, target_modules: list[str] | None, upcast: bool = True):
     """Freezes ``model`` and adds LoRA adapters (``W + alpha / r * B @ A``, B starting at zero) to the linear layers
     named ``target_modules`` (default: peft's per-architecture choice). peft's sequence-classification task keeps
     the head trainable: every module whose name ends in "classifier" or "score" (DistilBERT's pre_classifier too).
-    peft is imported only here: it adds a second to every start."""
+    ``upcast`` makes the adapters fp32 next to 16-bit weights; a skeleton is fp32 already, and under ZeRO-3 its
+    weights take DeepSpeed's one dtype as they are made, which fp32 adapters would break. peft is imported only
+    here: it adds a second to every start."""
     import torch
     from peft import LoraConfig, TaskType, get_peft_model
     from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as PEFT_TARGETS
@@ -286,7 +301,7 @@ def add_lora(model, r: int, alpha: float, dropout: float, target_modules: list[s
     config = LoraConfig(task_type=TaskType.SEQ_CLS, r=r, lora_alpha=alpha, lora_dropout=dropout,
                         target_modules=list(target_modules))
     try:
-        return get_peft_model(model, config)
+        return get_peft_model(model, config, autocast_adapter_dtype=upcast)
     except ValueError as err:  # peft's check that every name matches a layer
         raise UserError(f"--lora-target-modules {' '.join(target_modules)}: {str(err).splitlines()[0]} (its linear "
                         f"layers: {linear})") from err

@@ -50,6 +50,7 @@ from fabric_utils.loggers import (finalize_loggers, make_loggers, plot_metrics, 
                                   saved_tracker_ids)
 from fabric_utils.optim import build_optimizer, build_scheduler, count_parameters, count_warmup_steps
 from fabric_utils.preemption import STATUS_FILE, Preemption
+from fabric_utils.pretrained import build_model, load_pretrained
 from fabric_utils.progress import Progress, say, shows_bars, silence_libraries
 from fabric_utils.run_folder import (environment_report, locked_run_folder, prepare_out_dir, remove_if_unused,
                                      save_config, write_predictions)
@@ -94,12 +95,12 @@ def main(fabric, args, out_dir: Path) -> dict:
     for note in spec.notes:
         say(note)
 
-    model, optimizer, torch_optimizer, flops_of, params = build(fabric, args, spec)
+    resume_from = agreed_resume_checkpoint(fabric, args.resume, out_dir / "checkpoints", report=say)
+    model, optimizer, torch_optimizer, flops_of, params = build(fabric, args, spec, pretrained=not resume_from)
     if args.batch_size == "auto":  # probed on the model and optimizer as set up: wrapped, sharded, with state
         found = find_batch_size(fabric, model, optimizer, loss_fn=functools.partial(training_loss, spec.objective),
                                 make_batch=lambda rows: spec.example_batch(rows, None, fabric.device))
         args = with_values(args, {"batch_size": found})  # config.yaml records it
-    resume_from = agreed_resume_checkpoint(fabric, args.resume, out_dir / "checkpoints", report=say)
     if resume_from:  # a requeued job may come back on fewer devices: it continues with the same optimizer steps
         args = with_values(args, {"grad_accum": keep_rows_per_step(fabric, args, read_record(resume_from))})
     loaders = make_loaders(fabric, args, spec)
@@ -127,14 +128,17 @@ def main(fabric, args, out_dir: Path) -> dict:
     return results
 
 
-def build(fabric, args, spec: TaskSpec):
+def build(fabric, args, spec: TaskSpec, pretrained: bool):
     """The task's model and its optimizer, set up by Fabric (Fabric step 3), with the model's FLOPs per training
-    step (for MFU) and parameter counts; also returns the plain torch optimizer inside, which the schedule drives."""
+    step (for MFU) and parameter counts; also returns the plain torch optimizer inside, which the schedule drives.
+    With ``pretrained`` the model holds the task's pretrained values (a resume's checkpoint holds them otherwise)."""
     warn_if_updates_vanish(fabric.strategy.precision, lr=args.lr)
-    model = declare_blocks(spec.build_model(), spec.blocks)
+    # under fsdp, fsdp2 and ZeRO-3 already sharded, filled with the pretrained values after set-up
+    model, source = build_model(fabric, spec.build_model, spec.build_skeleton, pretrained=pretrained)
+    model = declare_blocks(model, spec.blocks)
     if args.grad_checkpointing and not strategy_checkpoints_blocks(fabric.strategy):
         recompute_blocks(model)  # FSDP and FSDP2 recompute the blocks they shard themselves
-    params = count_parameters(model)  # now, while every rank holds every weight (no strategy has sharded them)
+    params = count_parameters(model)
     step_loss = functools.partial(training_loss, spec.objective)
     flops_of = training_flops_fn(  # FLOPs of forward and backward, for MFU
         model, lambda m, size: step_loss(m, spec.example_batch(1, size, "meta")), max_size=spec.max_size)
@@ -145,6 +149,8 @@ def build(fabric, args, spec: TaskSpec):
                                                               weight_decay=args.weight_decay, device=fabric.device,
                                                               offload=offloads_optimizer(fabric),
                                                               loss_scaling=scales_loss(fabric), shapes=shapes))
+    if source:
+        load_pretrained(fabric, model, source)
     return model, optimizer, torch_optimizer, flops_of, params
 
 

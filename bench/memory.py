@@ -9,6 +9,14 @@ ZeRO-3 runs through the test-only DeepSpeed CPU shim (tests/shims). Each run is 
 one after another: a few optimizer steps on the offline demo's data, then the usual best-checkpoint test and export
 (rank 0 gathers the full model for the export under every strategy, so its peak holds one full copy more than rank
 1's).
+
+``--stage build-load`` measures the start alone: each rank's anonymous memory (RssAnon, so not the page cache of the
+memory-mapped pretrained file) from the model's build until it is set up with its pretrained values loaded
+(bench/build_load_probe.py), under fsdp (FSDP1, through the tests' CPU shim too), fsdp2 and ZeRO-3, against the
+target fp32 model bytes / ranks + the largest shard unit + 150 MB. ``--before DIR`` also measures another checkout (a
+``git worktree`` of an earlier commit) for comparison:
+
+    python bench/memory.py --stage build-load --layers 12 --hidden 768 --before /tmp/before
 """
 
 import argparse
@@ -53,17 +61,62 @@ def save_models(folder: Path, hidden: int, layers: int, saved: list[str]) -> dic
 
 def run_job(model: Path, strategy: str, lora_r: int, out_dir: Path) -> dict:
     """One 2-process run of train.py; its results.json."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
-    if strategy.startswith("deepspeed"):  # DeepSpeed needs CUDA; the tests' shim runs it on CPU processes
-        env.update(FABRIC_TEMPLATE_DEEPSPEED_CPU="1",
-                   PYTHONPATH=os.pathsep.join([str(ROOT / "tests" / "shims"), str(ROOT)]))
+    run_train(ROOT, "train.py", model, strategy, lora_r, out_dir)
+    return json.loads((out_dir / "results.json").read_text())
+
+
+def run_train(checkout: Path, script: str, model: Path, strategy: str, lora_r: int, out_dir: Path,
+              **env) -> None:
+    """``script`` (train.py or a probe of it) with JOB's flags on 2 processes, in ``checkout``; DeepSpeed and FSDP1
+    need CUDA, and the tests' shims run them on CPU processes."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
+           "FABRIC_TEMPLATE_DEEPSPEED_CPU": "1", "FABRIC_TEMPLATE_FSDP_CPU": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "tests" / "shims"), str(checkout)]), **env}
     data, _ = prepare_demo(Path.home() / ".cache" / "fabric-template" / "demo")
-    command = [sys.executable, "train.py", *JOB, "--dataset", str(data), "--model", str(model),
+    command = [sys.executable, script, *JOB, "--dataset", str(data), "--model", str(model),
                "--strategy", strategy, "--lora-r", str(lora_r), "--out-dir", str(out_dir)]
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+    done = subprocess.run(command, cwd=checkout, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"{' '.join(command)} exited {done.returncode}\n{done.stderr[-3000:]}")
-    return json.loads((out_dir / "results.json").read_text())
+
+
+def build_and_load(models: dict[str, Path], strategies: list[str], checkouts: dict[str, Path], tmp: Path) -> list:
+    """Each rank's anonymous memory from the model's build until it is set up and loaded, per saved dtype,
+    strategy and checkout; with the target: the fp32 model over 2 ranks, its largest shard unit, 150 MB."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    config = AutoConfig.from_pretrained(next(iter(models.values())))
+    with torch.device("meta"):
+        model = AutoModelForSequenceClassification.from_config(config)
+    layers = model.bert.encoder.layer
+    whole, layer = (sum(p.numel() for p in module.parameters()) for module in (model, layers[0]))
+    largest_unit = max(layer, whole - len(layers) * layer)  # a block, or the root unit: embeddings and head
+    target_mb = (whole * 4 / 2 + largest_unit * 4) / 2**20 + 150
+    rows = []
+    for dtype, folder in models.items():
+        for strategy in strategies:
+            for code, checkout in checkouts.items():
+                found = tmp / f"probe-{dtype}-{strategy}-{code}"
+                run_train(checkout, str(ROOT / "bench" / "build_load_probe.py"), folder, strategy, 0,
+                          tmp / f"run-{dtype}-{strategy}-{code}", PROBE_OUT=str(found))
+                ranks = [json.loads((found / f"rank-{rank}.json").read_text()) for rank in range(2)]
+                row = {"saved": dtype, "strategy": strategy, "code": code, "ranks": ranks,
+                       "target_mb": target_mb, "params": whole, "largest_unit": largest_unit}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    print(f"\nmodel: {whole / 1e6:.0f}M parameters, {whole * 4 / 2**20:,.0f} MB in fp32, largest unit "
+          f"{largest_unit * 4 / 2**20:,.0f} MB; target per rank {target_mb:,.0f} MB above the start\n")
+    print("RssAnon MB above the start of the build (each rank's own memory): peak until set-up / peak until set up and "
+          "loaded / held then\n")
+    print("| saved | strategy | code | rank 0 | rank 1 | peak within target |")
+    print("|---|---|---|---|---|---|")
+    for row in rows:
+        cells = [" / ".join(f"+{r[key] - r['start_mb']:,.0f}" for key in ("built_peak_mb", "peak_mb", "end_mb"))
+                 for r in row["ranks"]]
+        within = all(r["peak_mb"] - r["start_mb"] <= row["target_mb"] for r in row["ranks"])
+        print(f"| {row['saved']} | {row['strategy']} | {row['code']} | {' | '.join(cells)} | "
+              f"{'yes' if within else 'no'} |")
+    return rows
 
 
 def main():
@@ -71,15 +124,27 @@ def main():
     p.add_argument("--hidden", type=int, default=1024, help="BERT-large: 1024 wide, 24 layers (335M parameters)")
     p.add_argument("--layers", type=int, default=24)
     p.add_argument("--saved", default="fp32,bf16", help="the dtypes the model is saved in")
-    p.add_argument("--strategies", default="ddp,fsdp2,deepspeed_stage_3", help="ddp first: the ratios are to it")
+    p.add_argument("--stage", choices=("train", "build-load"), default="train",
+                   help="train: each rank's peak over a short run; build-load: from the build to the loaded model")
+    p.add_argument("--strategies", help="default ddp,fsdp2,deepspeed_stage_3 (train: ddp first, the ratios are to "
+                   "it), fsdp,fsdp2,deepspeed_stage_3 (build-load)")
+    p.add_argument("--before", type=Path, help="build-load: also measure this checkout (an earlier commit's)")
     p.add_argument("--lora-r", default="0,8", help="LoRA ranks to run (0: full fine-tuning)")
     p.add_argument("--json", type=Path, help="also write the rows here")
     args = p.parse_args()
-    saved, strategies = args.saved.split(","), args.strategies.split(",")
+    saved = args.saved.split(",")
+    strategies = (args.strategies or ("ddp,fsdp2,deepspeed_stage_3" if args.stage == "train"
+                                      else "fsdp,fsdp2,deepspeed_stage_3")).split(",")
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         models = save_models(Path(tmp), args.hidden, args.layers, saved)
+        if args.stage == "build-load":
+            checkouts = {"before": args.before.resolve(), "after": ROOT} if args.before else {"this": ROOT}
+            rows = build_and_load(models, strategies, checkouts, Path(tmp))
+            if args.json:
+                args.json.write_text(json.dumps(rows, indent=1))
+            return
         for dtype in saved:
             for lora_r in map(int, args.lora_r.split(",")):
                 ddp = None

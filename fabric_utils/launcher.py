@@ -29,7 +29,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from fabric_utils.args import FSDP2, LAUNCH_DEFAULTS, fabric_run_settings, launched_by_cli
 from fabric_utils.errors import PeerLost, UserError, lost_a_peer
 from fabric_utils.private import _BackwardSyncControl, set_backward_sync_control
-from fabric_utils.sharding import BlockPolicy, mixed_precision_policy, shard_blocks
+from fabric_utils.sharding import BlockPolicy, materialize_unit, mixed_precision_policy, shard_blocks
 
 
 def launch(fabric: Fabric) -> None:
@@ -173,7 +173,8 @@ def build_strategy(settings: dict, grad_checkpointing: bool):
     if is_fsdp(name):
         blocks = BlockPolicy()
         return FSDPStrategy(**STRATEGY_REGISTRY[name]["init_params"], auto_wrap_policy=blocks,
-                            activation_checkpointing_policy=blocks if grad_checkpointing else None)
+                            activation_checkpointing_policy=blocks if grad_checkpointing else None,
+                            param_init_fn=materialize_unit)
     return name
 
 

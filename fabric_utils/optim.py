@@ -36,10 +36,11 @@ def build_optimizer(model, name: str, lr: float, weight_decay: float, device: to
 
 
 def count_parameters(model) -> dict:
-    """Trainable and all parameters of a model not yet sharded (FSDP and ZeRO-3 leave each rank a part of each)."""
-    params = list(model.parameters())
-    return {"trainable_params": sum(p.numel() for p in params if p.requires_grad),
-            "total_params": sum(p.numel() for p in params)}
+    """Trainable and all parameters of a model not yet set up: whole, on the meta device, or partitioned by ZeRO-3
+    (``deepspeed.zero.Init``), which keeps each one's whole size in ``ds_numel``."""
+    sizes = [(getattr(p, "ds_numel", p.numel()), p.requires_grad) for p in model.parameters()]
+    return {"trainable_params": sum(size for size, trainable in sizes if trainable),
+            "total_params": sum(size for size, _ in sizes)}
 
 
 def count_warmup_steps(warmup: float, max_steps: int) -> int:

@@ -97,7 +97,27 @@ def shard_blocks(model: nn.Module, device_mesh, grad_checkpointing: bool,
         if isinstance(module, blocks):
             fully_shard(module, mesh=mesh, mp_policy=mp_policy)
     fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+    if any(param.is_meta for param in model.parameters()):  # a skeleton: each rank's shards get memory, no values
+        materialize(model, torch.device("cpu") if mesh.device_type == "cpu"
+                    else torch.device(mesh.device_type, torch.get_device_module(mesh.device_type).current_device()))
     return model
+
+
+def materialize(module: nn.Module, device: torch.device, recurse: bool = True) -> None:
+    """Memory on ``device`` for ``module``'s parameters on the meta device, their values unset (the pretrained
+    values or a checkpoint fill them); its buffers, real already, keep their values."""
+    buffers = {name: buffer.to(device) for name, buffer in module.named_buffers(recurse=recurse)}
+    module.to_empty(device=device, recurse=recurse)
+    with torch.no_grad():
+        for name, buffer in module.named_buffers(recurse=recurse):
+            buffer.copy_(buffers[name])
+
+
+def materialize_unit(module: nn.Module) -> None:
+    """FSDP's ``param_init_fn``, called on each module of a unit as the unit is wrapped, where a parameter is on
+    the meta device: on the CPU, from where FSDP moves the unit to its device and shards it."""
+    if any(param.is_meta for param in module.parameters(recurse=False)):
+        materialize(module, torch.device("cpu"), recurse=False)
 
 
 def gather_one_block_at_a_time(zero_config: dict, model: nn.Module) -> None:
@@ -143,8 +163,9 @@ def setup_model_and_optimizer(fabric, model: nn.Module,
 
     The weights become fp32 whatever dtype the pretrained file holds: mixed precision computes in 16 bits but must
     update fp32 weights (fp16 gradients cannot even be unscaled), and Fabric's precision converts from there where it
-    keeps them in another dtype (bf16-true). They are cast before set-up, when each rank holds them whole anyway;
-    FSDP2 casts each rank's shards after sharding instead, so no rank holds a bf16-saved model whole in fp32.
+    keeps them in another dtype (bf16-true). They are cast before set-up, when each rank holds them whole anyway (a
+    skeleton, fabric_utils/pretrained.py, is fp32 already and holds no values yet); FSDP2 casts each rank's shards
+    after sharding instead, so no rank holds a bf16-saved model whole in fp32.
     DeepSpeed in 16 bits casts the weights to them itself and makes its fp32 master weights from those: a cast to
     fp32 first would change no value, and only add a whole fp32 copy to each rank's peak."""
     sharded_after = isinstance(fabric.strategy, ModelParallelStrategy)

@@ -72,10 +72,11 @@ def training_flops_fn(model: torch.nn.Module, step_loss: Callable[[torch.nn.Modu
 
 
 def meta_copy(module: torch.nn.Module) -> torch.nn.Module:
-    """A copy of ``module`` on the meta device: the same structure and shapes, without copying any weight."""
+    """A copy of ``module`` on the meta device: the same structure and shapes, without copying any weight (ZeRO-3's
+    partitions, empty tensors, keep their whole shape in ``ds_shape``)."""
     memo = {}
     for tensor in itertools.chain(module.parameters(), module.buffers()):
-        on_meta = tensor.detach().to("meta")
+        on_meta = torch.empty(getattr(tensor, "ds_shape", tensor.shape), dtype=tensor.dtype, device="meta")
         memo[id(tensor)] = torch.nn.Parameter(on_meta, tensor.requires_grad) if isinstance(
             tensor, torch.nn.Parameter) else on_meta
     return copy.deepcopy(module, memo)

@@ -20,6 +20,15 @@ A task module provides:
   ``Objective.predict`` columns, and a ``"row"`` index, for each row of a file, read as the run read its data
   (``flags``: the run's config.yaml).
 
+A model bigger than one device: under ``fsdp``, ``fsdp2`` and ``deepspeed_stage_3`` a task that gives
+``TaskSpec.build_skeleton`` has no rank hold its whole model (fabric_utils/pretrained.py). Every rank builds the
+skeleton already sharded: its parameters on the meta device, or partitioned by ``deepspeed.zero.Init`` as they are
+made, so it must neither read nor initialize their values; its buffers are kept as it makes them. Rank 0 alone calls
+``build_model``, whose parameters and buffers, by name, fill each rank's shards. A resume calls no ``build_model``
+under any strategy: the skeleton takes the checkpoint's values. Under ddp, one device and ZeRO-1/2, for a skeleton
+that ties weights under fsdp and fsdp2, and for a task that gives no skeleton (the loop's fallback), every rank calls
+``build_model`` and holds the whole model until the strategy shards it.
+
 A model built by ``TaskSpec.build_model`` must take a batch through ``objective.forward`` and give outputs that
 ``objective.loss`` and the metrics take; batches are dicts of tensors, rows first, with the targets under
 ``"labels"`` (the loop scores exactly the real rows of each evaluation batch by slicing every tensor along its first
@@ -79,6 +88,9 @@ class TaskSpec:
     row_sizes: Callable[[dict], torch.Tensor] | None = None  # a batch's size per row (real tokens): tokens/s, MFU
     max_size: int | None = None  # the largest row size (max tokens): FLOPs are fitted up to it, batches probed at it
     blocks: tuple[type, ...] = ()  # the model's repeated blocks: sharded one by one, recomputed in backward
+    # build_model's architecture alone (head and adapters too, the same names), fp32, reading no weight and drawing
+    # no initial value: see "A model bigger than one device" above. None: every rank builds build_model() whole
+    build_skeleton: Callable[[], torch.nn.Module] | None = None
     notes: list[str] = field(default_factory=list)  # what preparing the data did that a user should know
     # the training loss of the best output that ignores the inputs (chance level): a run whose loss stays there is said
     # not to learn
