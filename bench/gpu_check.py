@@ -14,7 +14,9 @@ Rows:
   throughput and MFU per precision, and the batch ``--batch-size auto`` finds.
 - bigger than one device (2+ GPUs): each GPU's memory capped (``torch.cuda.set_per_process_memory_fraction``, by
   ``bench/gpu_cap/sitecustomize.py``) at three quarters of the BERT-large shape's training state (16 bytes a
-  parameter): ddp should run out of memory, the sharded strategies finish.
+  parameter): ddp should run out of memory, fsdp, fsdp2 and ZeRO-3 finish; then at three quarters of its fp32 weights
+  (4 bytes a parameter), where only a strategy that never holds the model whole on a GPU finishes (the offloading
+  ones; fsdp, fsdp2 and ZeRO-3 too from 8 GPUs, where their 16/N bytes fit).
 - 2+ GPUs: ddp, fsdp, fsdp2, deepspeed_stage_2, deepspeed_stage_3, deepspeed_stage_3_offload on the MiniLM job, its
   rows per step split over the GPUs: each should reach the one-GPU bf16-mixed row's test accuracy (within 0.02),
   with throughput and memory per GPU.
@@ -196,23 +198,31 @@ def plan(args, sizes: Sizes, work: Path) -> list[Row]:
             row.notes.append(f"{params / 1e6:.0f}M parameters")
             rows.append(row)
 
-    section = "bigger than one device: memory capped below the training state"
     config_class, config = SHAPES["BERT-large-shaped"]
-    for strategy, expect in [("ddp", "out of memory"), ("fsdp2", "finishes"), ("deepspeed_stage_3", "finishes")]:
-        row = Row(section, strategy, expect=expect)
-        if gpus < 2:
-            row.skip("needs 2 CUDA GPUs: " + ("one device has nothing to shard over" if gpus else "none here"))
-        else:
-            folder, params = save_shape(models / "BERT-large-shaped", config_class, config)
-            cap = 0.75 * 16 * params
-            fraction = cap / torch.cuda.get_device_properties(0).total_memory
-            row.flags = ["--model", str(folder), "--dataset", str(demo_data), *sizes.cap,
-                         "--accelerator", "cuda", "--devices", str(gpus), "--strategy", strategy,
-                         "--precision", "bf16-mixed", "--quiet"]
-            row.env = {"GPU_CHECK_MEMORY_FRACTION": f"{fraction:.4f}",
-                       "PYTHONPATH": os.pathsep.join([str(ROOT / "bench" / "gpu_cap"), str(ROOT)])}
-            row.notes.append(f"cap {cap / 2**30:.1f} GiB a GPU ({params / 1e6:.0f}M parameters)")
-        rows.append(row)
+    # below the training state (16 bytes a parameter): what ddp needs on each GPU, and 16/N of it what sharding does;
+    # below the fp32 model itself (4 bytes a parameter): a rank that ever holds the model whole fails, so the sharded
+    # start is what lets a strategy finish; with fewer than 8 GPUs only offloading leaves room under that cap
+    for section, bytes_per_param, strategies in [
+            ("bigger than one device: memory capped below the training state", 16,
+             ["fsdp", "fsdp2", "deepspeed_stage_3"]),
+            ("bigger than one device: memory capped below the fp32 model", 4,
+             ["fsdp_cpu_offload", "deepspeed_stage_3_offload"] + (["fsdp", "fsdp2", "deepspeed_stage_3"]
+                                                                 if gpus >= 8 else []))]:
+        for strategy, expect in [("ddp", "out of memory")] + [(name, "finishes") for name in strategies]:
+            row = Row(section, strategy, expect=expect)
+            if gpus < 2:
+                row.skip("needs 2 CUDA GPUs: " + ("one device has nothing to shard over" if gpus else "none here"))
+            else:
+                folder, params = save_shape(models / "BERT-large-shaped", config_class, config)
+                cap = 0.75 * bytes_per_param * params
+                fraction = cap / torch.cuda.get_device_properties(0).total_memory
+                row.flags = ["--model", str(folder), "--dataset", str(demo_data), *sizes.cap,
+                             "--accelerator", "cuda", "--devices", str(gpus), "--strategy", strategy,
+                             "--precision", "bf16-mixed", "--quiet"]
+                row.env = {"GPU_CHECK_MEMORY_FRACTION": f"{fraction:.4f}",
+                           "PYTHONPATH": os.pathsep.join([str(ROOT / "bench" / "gpu_cap"), str(ROOT)])}
+                row.notes.append(f"cap {cap / 2**30:.1f} GiB a GPU ({params / 1e6:.0f}M parameters)")
+            rows.append(row)
 
     section = "2+ GPUs: strategies, all-MiniLM-L6-v2"
     devices = 2 if args.dry_run else gpus

@@ -10,7 +10,8 @@ import torch
 from conftest import REPO, run, subprocess_env
 
 SECTIONS = ["one GPU: all-MiniLM-L6-v2, pretrained", "one GPU: random weights, length 512",
-            "bigger than one device: memory capped below the training state", "2+ GPUs: strategies, all-MiniLM-L6-v2"]
+            "bigger than one device: memory capped below the training state",
+            "bigger than one device: memory capped below the fp32 model", "2+ GPUs: strategies, all-MiniLM-L6-v2"]
 
 
 def test_the_dry_run_writes_every_row_measured_or_skipped_with_a_reason(tmp_path):
