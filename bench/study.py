@@ -202,7 +202,10 @@ def validation_curve(metrics_csv: Path, metric: str = "acc") -> dict:
                 clock[step] = float(row["time"])
             if row.get(f"val/{metric}"):
                 val_acc[step] = float(row[f"val/{metric}"])
-    curve = [(step, clock[step], acc) for step, acc in sorted(val_acc.items())]
+    # the clock at the first log step at or after each validation (a later one than the validation's own step where
+    # the run logs every N > 1 steps: the time to a target is not understated)
+    curve = [(step, clock[min((s for s in clock if s >= step), default=max(clock))], acc)
+             for step, acc in sorted(val_acc.items())]
     return {"curve": curve, "train_s": clock[max(clock)], "final_val_acc": curve[-1][2]}
 
 
