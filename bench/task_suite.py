@@ -214,9 +214,9 @@ def task_table(task: str, names: list[str], results: dict[str, list[dict]], sarg
         ok = [r for r in results[name] if "failed" not in r]
         values = [r["test_acc"] for r in ok]
         at_chance = sum(v <= CHANCE[task] + CHANCE_MARGIN for v in values)
-        stuck = sum(r.get("stuck", False) for r in ok)
-        lines.append(f"| {name} | {', '.join(f'{v:.3f}' for v in values)} | {at_chance}/{len(ok)} "
-                     f"| {'—' if study.runs_hf_trainer(name) else stuck} |")  # the Trainer has no such line
+        logged = [r["stuck"] for r in ok if r.get("stuck") is not None]
+        stuck = "—" if study.runs_hf_trainer(name) else f"{sum(logged)}/{len(logged)}"  # the Trainer has no such line
+        lines.append(f"| {name} | {', '.join(f'{v:.3f}' for v in values)} | {at_chance}/{len(ok)} | {stuck} |")
     return "\n\n".join([*parts, "\n".join(lines)])
 
 
@@ -240,7 +240,7 @@ def main(argv=None):
                         print(f"would run {task} e{epochs} seed {seed} {name}")
                     if r := study.run_draw(name, seed, args.train_size, sargs):
                         log = study.run_dir(name, seed, 1, args.train_size, sargs) / "log.txt"
-                        r["stuck"] = log.exists() and STUCK_LINE in log.read_text()
+                        r["stuck"] = STUCK_LINE in log.read_text() if log.exists() else None  # None: no log kept
                         results[name].append(r)
             if any(results.values()):
                 heading = (f"### {task}, {args.train_size} train / {args.val_size} val / {args.test_size} test rows, "
