@@ -33,7 +33,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from bench.run_bench import DEFAULT_DATASET, HF_TRAINER, article, default_model, fmt, machine, run_process  # noqa: E402
+from bench.run_bench import DEFAULT_DATASET, article, default_model, fmt, machine, run_process  # noqa: E402
 from fabric_utils.launcher import auto_precision  # noqa: E402
 from train import flag_parser  # noqa: E402
 
@@ -45,8 +45,12 @@ CONFIGS = {
     # Its --precision 32-true comes after the study's --precision, so it stays fp32 in a bf16-mixed study
     "article": article(batch_size="12", lr="5e-5"),
     "default": [],
-    "hf-trainer": HF_TRAINER,  # bench/hf_trainer.py with train.py's defaults (same model settings, same precision)
+    # bench/hf_trainer.py (its flags here): with train.py's defaults (same model settings, same precision), and with
+    # the Trainer's own defaults (issue 33's peer)
+    "hf-trainer": [],
+    "hf-own": ["--own-defaults"],
 }
+TRAINER_ROWS = {"hf-trainer", "hf-own"}
 for lr in ("5e-5", "1e-4", "2e-4", "3e-4"):
     for warmup in ("0", "0.06", "0.1"):
         for scheduler in ("linear", "constant", "cosine"):
@@ -77,7 +81,8 @@ def parse_args(argv=None):
     p.add_argument("--target", default="article", help="configuration whose mean final val acc is the target")
     p.add_argument("--dataset", default=DEFAULT_DATASET)
     p.add_argument("--model", default=None, help="default: all-MiniLM-L6-v2 from requirements-bench.txt")
-    p.add_argument("--extra", default="", help="flags added to every run (e.g. '--text-column sentence')")
+    p.add_argument("--extra", default="", help="data flags added to every run, train.py's and the Trainer's "
+                   "(e.g. '--text-column sentence')")
     p.add_argument("--runs-dir", default=str(ROOT / "runs" / "study"))
     p.add_argument("--summarise-only", action="store_true", help="run nothing: tabulate the runs already done")
     p.add_argument("--fingerprint", action="store_true", help="record a hash of each draw's train / validation / "
@@ -87,13 +92,13 @@ def parse_args(argv=None):
 
 
 def runs_hf_trainer(name: str) -> bool:
-    return CONFIGS[name.partition("+")[0]] == HF_TRAINER
+    return name.partition("+")[0] in TRAINER_ROWS
 
 
 def config_flags(name: str) -> list[str]:
-    """The configuration's flags, for train.py (or, for the Trainer row, the '+FLAGS' for bench/hf_trainer.py)."""
+    """The configuration's flags, for train.py (or, for a Trainer row, for bench/hf_trainer.py)."""
     base, _, extra = name.partition("+")
-    return ([] if runs_hf_trainer(name) else CONFIGS[base]) + extra.split()
+    return CONFIGS[base] + extra.split()
 
 
 def flag_value(flags: list[str], flag: str, default):
@@ -135,21 +140,22 @@ def run_one(name: str, seed: int, order: int, train_size: int, args) -> dict | N
         if args.precision and not hf_trainer:  # before the configuration's flags: a configuration's own wins
             common += ["--precision", args.precision]
         if hf_trainer:  # validates once per epoch only; the precision train.py would run in
-            cmd = [sys.executable, "bench/hf_trainer.py", *common, *flags]
+            cmd = [sys.executable, "bench/hf_trainer.py", *common, *flags, *args.extra.split()]
             cmd += ["--bf16"] if run_precision(name, args) == "bf16-mixed" else []
         else:
-            cmd = [sys.executable, "train.py", *common, "--quiet", "--log-every", "1",
+            cmd = [sys.executable, "train.py", *common, "--quiet", "--log-every", str(getattr(args, "log_every", 1)),
                    *(["--val-every", str(val_every)] if val_every else []), *flags, *args.extra.split()]
         results = run_process(cmd, out_dir)
         if "failed" in results:
             return results
         for bulky in ("checkpoints", "model"):  # hundreds of MB a run (a study filled a disk); the study reads
             shutil.rmtree(out_dir / bulky, ignore_errors=True)  # results.json and the logs
+    metric = getattr(args, "metric", "acc")  # the task's: acc, f1 or pearson (bench/task_suite.py)
     if hf_trainer:  # one validation, at the end of each epoch: the curve's last point only
-        curve = [(results["steps"], results["train_time_s"], results["val_acc"])]
-        return results | {"curve": curve, "train_s": results["train_time_s"], "final_val_acc": results["val_acc"]}
+        curve = [(results["steps"], results["train_time_s"], results[f"val_{metric}"])]
+        return results | {"curve": curve, "train_s": results["train_time_s"], "final_val_acc": results[f"val_{metric}"]}
     metrics_csv = max(out_dir.glob("logs/version_*/metrics.csv"), key=lambda p: int(p.parent.name.split("_")[1]))
-    return results | validation_curve(metrics_csv)
+    return results | validation_curve(metrics_csv, metric)
 
 
 def run_precision(name: str, args) -> str:
@@ -184,9 +190,9 @@ def draw_fingerprint(seed: int, train_size: int, args) -> dict:
             for name, split in splits.items()}
 
 
-def validation_curve(metrics_csv: Path) -> dict:
-    """From metrics.csv: [(step, training seconds, val acc)] at each validation, and training seconds to the last
-    step. The logged "time" is the throughput monitor's training clock, which leaves validations and checkpoints
+def validation_curve(metrics_csv: Path, metric: str = "acc") -> dict:
+    """From metrics.csv: [(step, training seconds, val ``metric``)] at each validation, and training seconds to the
+    last step. The logged "time" is the throughput monitor's training clock, which leaves validations and checkpoints
     out."""
     clock, val_acc = {}, {}
     with open(metrics_csv) as f:
@@ -194,9 +200,12 @@ def validation_curve(metrics_csv: Path) -> dict:
             step = int(row["step"])
             if row.get("time"):
                 clock[step] = float(row["time"])
-            if row.get("val/acc"):
-                val_acc[step] = float(row["val/acc"])
-    curve = [(step, clock[step], acc) for step, acc in sorted(val_acc.items())]
+            if row.get(f"val/{metric}"):
+                val_acc[step] = float(row[f"val/{metric}"])
+    # the clock at the first log step at or after each validation (a later one than the validation's own step where
+    # the run logs every N > 1 steps: the time to a target is not understated)
+    curve = [(step, clock[min((s for s in clock if s >= step), default=max(clock))], acc)
+             for step, acc in sorted(val_acc.items())]
     return {"curve": curve, "train_s": clock[max(clock)], "final_val_acc": curve[-1][2]}
 
 
