@@ -31,8 +31,9 @@ from fabric_utils.task_spec import TaskSpec
 # fine-tune at larger rates. 384 and below: measured on all-MiniLM-L6-v2; up to 768 (base size): the published
 # DistilBERT and BERT recipes; wider (large): inside BERT's and RoBERTa-large's fine-tuning grids
 LR_BY_WIDTH = ((384, 1.5e-4), (768, 5e-5), (float("inf"), 2e-5))
-# LoRA trains a few small matrices, B from zero: it needs a far larger rate than full fine-tuning
-LORA_LR = 5e-3
+# LoRA trains a few small matrices, B from zero: it needs a far larger rate than full fine-tuning, but not so large
+# that a draw stays at chance
+LORA_LR = 2e-3
 # the demo's tiny model starts from random weights: it needs a far larger learning rate than fine-tuning
 DEMO_LR = 2e-3
 # one epoch (200 steps) of the demo reaches test accuracy 0.99+, so it takes about a minute
@@ -376,9 +377,9 @@ class ClassifierObjective:
         return -(p * p.log() + (1 - p) * (1 - p).log()).nan_to_num().mean().item()
 
     def predict(self, logits: torch.Tensor, batch: dict) -> dict[str, torch.Tensor]:
-        """Each row's label (where the batch has labels), prediction and score, as the metrics see them: the class of the largest logit and its
-        probability (single_label); each label of probability above 0.5, and each one's probability
-        (multi_label); the predicted value (regression)."""
+        """Each row's label (where the batch has labels), prediction and score, as the metrics see them: the class
+        of the largest logit and its probability (single_label); each label of probability above 0.5, and each one's
+        probability (multi_label); the predicted value (regression)."""
         logits = logits.float()
         label = {"label": batch["labels"]} if "labels" in batch else {}  # new rows to predict have none
         if self.problem_type == "single_label":
@@ -405,7 +406,7 @@ def row_lengths(batch: dict) -> torch.Tensor:
     return batch["attention_mask"].sum(dim=1)
 
 
-# ---- predictions on new rows: predict.py ------------------------------------------------------------------------------
+# ---- predictions on new rows: predict.py --------------------------------------------------------------------------
 def predict(folder: Path, source: Path, flags: dict, batch_size: int) -> dict[str, torch.Tensor]:
     """The exported model's (``folder``) predictions for each row of the file ``source``, whose texts are read as the
     run that trained the model read its data (``flags``: its config.yaml): ``ClassifierObjective.predict``'s columns

@@ -27,7 +27,7 @@ from data.sources import load_splits  # noqa: E402
 from data.tokenize import tokenize_splits  # noqa: E402
 from fabric_utils.args import dropout  # noqa: E402
 from task import build_model as build_template_model  # noqa: E402
-from task import Objective, learning_rate_for, load_model_config  # noqa: E402
+from task import ClassifierObjective, learning_rate_for, load_model_config  # noqa: E402
 from train import flag_parser  # noqa: E402
 
 TEMPLATE = flag_parser()
@@ -136,12 +136,12 @@ def main(argv=None):
     if args.own_defaults:
         optimization = own_defaults(args.out_dir)
     else:
-        lr = args.lr or learning_rate_for(load_model_config(args.model))  # as train.py's task chooses it
+        lr = args.lr or learning_rate_for(load_model_config(args.model), lora=bool(args.lora_r))  # as task.py would
         scheduler, scheduler_kwargs = HF_SCHEDULERS[args.scheduler]
         optimization = {"learning_rate": lr, "weight_decay": args.weight_decay, "max_grad_norm": args.grad_clip,
                         "lr_scheduler_type": scheduler, "lr_scheduler_kwargs": scheduler_kwargs(lr, args.min_lr_rate),
                         "warmup_steps": args.warmup, "train_sampling_strategy": "group_by_length"}
-    objective = Objective(data.problem_type, len(data.label_names))
+    objective = ClassifierObjective(data.problem_type, len(data.label_names))
     training_args = TrainingArguments(
         output_dir=args.out_dir, use_cpu=not torch.cuda.is_available(), seed=args.seed, bf16=args.bf16,
         num_train_epochs=args.epochs, per_device_train_batch_size=args.batch_size,

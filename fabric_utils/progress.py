@@ -36,8 +36,7 @@ def shows_bars(fabric, quiet: bool, verbose: bool) -> bool:
     return fabric.is_global_zero and not quiet and (verbose or sys.stderr.isatty())
 
 
-STUCK_WITHIN = 0.98  # a loss above 98% of chance level has not left it
-STUCK_SHARE = 3 / 4  # of the run's steps, after which a loss still at chance level is said
+STUCK_WITHIN = 0.99  # a loss above 99% of chance level has not left it
 
 
 class Progress:
@@ -53,7 +52,7 @@ class Progress:
     def __init__(self, fabric, total_steps: int, quiet: bool, metrics, steps_per_epoch: int | None = None,
                  rows_per_step: int | None = None, start_step: int = 0, chance_loss: float | None = None):
         self.fabric = fabric
-        self.chance_loss, self.left_chance, self.said_stuck = chance_loss, False, False
+        self.chance_loss, self.left_chance = chance_loss, False
         self.metrics = metrics.to(fabric.device)  # a torchmetrics collection; compute() sums over ranks
         self.loss_sum, self.rows = torch.zeros((), device=fabric.device), torch.zeros((), device=fabric.device)
         self.skips_overflow = fabric.strategy.precision.precision == "16-mixed"
@@ -94,13 +93,10 @@ class Progress:
         return logged
 
     def stuck_at_chance(self) -> bool:
-        """True once, at the log step three quarters into the run, if the training loss has not left chance level
-        (what a model that ignores its inputs scores) at any log step: a run that never learns. Fine-tunes leave it
-        within the first steps; a model trained from random weights may take more than half the run."""
-        stuck = (self.chance_loss is not None and not self.left_chance and not self.said_stuck
-                 and self.step >= STUCK_SHARE * self.total)
-        self.said_stuck |= stuck
-        return stuck
+        """True at the run's last log step if the training loss has not left chance level (what a model that ignores
+        its inputs scores) at any log step: a run that did not learn. Judged at the end, as a run may leave chance
+        level late (a model trained from random weights, adapters at a low rate) and then learn."""
+        return self.chance_loss is not None and not self.left_chance and self.step >= self.total
 
     def show(self) -> None:
         """The last logged step: the bar's numbers, or one line such as ``step 40/120 (epoch 1/3): loss 0.41,
