@@ -4,10 +4,9 @@
     python train.py --devices 2 --strategy fsdp2 [task flags]
     fabric run --devices 4 --strategy deepspeed_stage_2 train.py [task flags]
 
-Fabric launches the processes, places model, optimizer and batches, and runs backward; everything else is the
-plain PyTorch loop below, meant to be edited. It reads top to bottom in the order it runs:
-setup() -> main() -> fit() -> validate() -> finish(). The task is task.py, whose setup() gives the loop a `TaskSpec`
-(fabric_utils/task_spec.py); replacing task.py is all another task needs.
+Fabric launches the processes, places model, optimizer and batches, and runs backward; the rest is the plain PyTorch
+loop below, meant to be edited, in the order it runs: setup() -> main() -> fit() -> validate() -> finish().
+The task is task.py, whose setup() gives a `TaskSpec` (fabric_utils/task_spec.py): another task replaces task.py.
 """
 
 import task
@@ -39,15 +38,13 @@ import torch
 from torchmetrics import MeanMetric, SumMetric
 
 from fabric_utils.batch_size import find_batch_size
-from fabric_utils.checkpoint import (agreed_resume_checkpoint, load_checkpoint, load_weights,
-                                     read_record, save_checkpoint)
+from fabric_utils.checkpoint import (agreed_resume_checkpoint, load_checkpoint, load_weights, read_record,
+                                     save_checkpoint)
 from fabric_utils.export import export_model
-from fabric_utils.launcher import (build_fabric, clips_in_loop, explain_lost_peers, launch,
-                                   offloads_optimizer, scales_loss, strategy_checkpoints_blocks,
-                                   warn_if_updates_vanish)
+from fabric_utils.launcher import (build_fabric, clips_in_loop, explain_lost_peers, launch, offloads_optimizer,
+                                   scales_loss, strategy_checkpoints_blocks, warn_if_updates_vanish)
 from fabric_utils.loaders import make_dataloaders
-from fabric_utils.loggers import (finalize_loggers, make_loggers, plot_metrics, save_tracker_ids,
-                                  saved_tracker_ids)
+from fabric_utils.loggers import finalize_loggers, make_loggers, plot_metrics, save_tracker_ids, saved_tracker_ids
 from fabric_utils.optim import build_optimizer, build_scheduler, count_parameters, count_warmup_steps
 from fabric_utils.preemption import STATUS_FILE, Preemption
 from fabric_utils.pretrained import build_model, load_pretrained
@@ -71,8 +68,7 @@ def setup(argv=None) -> dict:
                                resume_ids=saved_tracker_ids(out_dir) if args.resume else None)
         fabric = build_fabric(accelerator=args.accelerator, devices=args.devices, num_nodes=args.num_nodes,
                               strategy=args.strategy, precision=args.precision, grad_clip=args.grad_clip,
-                              grad_checkpointing=args.grad_checkpointing,
-                              loggers=loggers)                                               # Fabric step 1
+                              grad_checkpointing=args.grad_checkpointing, loggers=loggers)   # Fabric step 1
         launch(fabric)                                                                       # Fabric step 2
         # nodes started apart in time agree on rank 0's folder
         with locked_run_folder(fabric, out_dir) as run_dir, explain_lost_peers(fabric):
@@ -113,7 +109,7 @@ def main(fabric, args, out_dir: Path) -> dict:
     save_config(fabric, args, out_dir, resumed_at=state["step"] if resume_from else None, environment=env)
     save_tracker_ids(fabric, out_dir)  # starts the tracked runs (MLflow, W&B) and keeps their ids for a resume
     if not args.quiet:
-        say(header(fabric, args, spec, max_steps, steps_per_epoch, state["fingerprint"][ROWS_PER_STEP], out_dir))
+        say(header(fabric, args, spec, max_steps, steps_per_epoch, out_dir))
 
     if fit(fabric, args, state, loaders=loaders, preemption=preemption, ckpt_dir=out_dir / "checkpoints",
            max_steps=max_steps, steps_per_epoch=steps_per_epoch, flops_of=flops_of, spec=spec):
@@ -129,9 +125,8 @@ def main(fabric, args, out_dir: Path) -> dict:
 
 
 def build(fabric, args, spec: TaskSpec, pretrained: bool):
-    """The task's model and its optimizer, set up by Fabric (Fabric step 3), with the model's FLOPs per training
-    step (for MFU) and parameter counts; also returns the plain torch optimizer inside, which the schedule drives.
-    With ``pretrained`` the model holds the task's pretrained values (a resume's checkpoint holds them otherwise)."""
+    """The task's model and optimizer set up by Fabric, the torch optimizer inside (for the schedule), the FLOPs per
+    training step (for MFU) and parameter counts; ``pretrained`` loads the task's values (else a checkpoint will)."""
     warn_if_updates_vanish(fabric.strategy.precision, lr=args.lr)
     # under fsdp, fsdp2 and ZeRO-3 already sharded, filled with the pretrained values after set-up
     model, source = build_model(fabric, spec.build_model, spec.build_skeleton, pretrained=pretrained)
@@ -154,12 +149,17 @@ def build(fabric, args, spec: TaskSpec, pretrained: bool):
     return model, optimizer, torch_optimizer, flops_of, params
 
 
-def restore(fabric, args, spec: TaskSpec, model, optimizer, scheduler, max_steps: int,
-            checkpoint: Path | None) -> dict:
-    """The training state: a fresh one, or ``checkpoint``'s if its fingerprint is this run's (else a one-line
-    error before anything is restored)."""
-    # what a resume must continue: the task's model and data, and this loop's optimization
-    fingerprint = {**spec.meta, **optimization(args, fabric.world_size, max_steps)}
+ROWS_PER_STEP = "rows per optimizer step (--batch-size x devices x --grad-accum)"
+
+
+def restore(fabric, args, spec: TaskSpec, model, optimizer, scheduler, max_steps: int, checkpoint: Path | None) -> dict:
+    """The training state: a fresh one, or ``checkpoint``'s if it continues this run (else a one-line error)."""
+    # what a resume must continue (the task's model and data, the optimization), named by the flags that set it
+    fingerprint = {**spec.meta, "--seed": args.seed, "--optimizer": args.optimizer, "--lr": args.lr,
+                   "--weight-decay": args.weight_decay, "--scheduler": args.scheduler, "--warmup": args.warmup,
+                   "--min-lr-rate": args.min_lr_rate, "--grad-clip": args.grad_clip,
+                   "optimizer steps (--max-steps, --epochs)": max_steps,
+                   ROWS_PER_STEP: args.batch_size * fabric.world_size * args.grad_accum}
     rows_per_batch = args.batch_size * fabric.world_size  # what one batch_in_epoch is, over all ranks
     state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "step": 0, "epoch": 0,
              "batch_in_epoch": 0, "rows_per_batch": rows_per_batch, "best_val": {}, "fingerprint": fingerprint,
@@ -173,40 +173,24 @@ def restore(fabric, args, spec: TaskSpec, model, optimizer, scheduler, max_steps
     return state
 
 
-def header(fabric, args, spec: TaskSpec, max_steps: int, steps_per_epoch: int, rows_per_step: int,
-           out_dir: Path) -> str:
+def header(fabric, args, spec: TaskSpec, max_steps: int, steps_per_epoch: int, out_dir: Path) -> str:
     """What the run is about to do, in four lines."""
     splits = ", ".join(f"{len(rows):,} {name}" for name, rows in spec.datasets.items())
-    nodes = getattr(fabric.strategy, "num_nodes", 1)
+    devices, nodes = fabric.world_size, getattr(fabric.strategy, "num_nodes", 1)
     return "\n".join([
         f"data      {splits} rows",
         f"training  {max_steps:,} optimizer steps ({max_steps / steps_per_epoch:.3g} "
         f"epoch{'s' * (max_steps != steps_per_epoch)} of {steps_per_epoch:,}), "
-        f"{rows_per_step:,} rows each ({args.batch_size} per device x "
-        f"{fabric.world_size} device{'s' * (fabric.world_size > 1)} x --grad-accum {args.grad_accum})",
-        f"launch    {fabric.world_size} {fabric.device.type} process{'es' * (fabric.world_size > 1)}"
+        f"{args.batch_size * devices * args.grad_accum:,} rows each ({args.batch_size} per device x "
+        f"{devices} device{'s' * (devices > 1)} x --grad-accum {args.grad_accum})",
+        f"launch    {devices} {fabric.device.type} process{'es' * (devices > 1)}"
         + (f" on {nodes} nodes" if nodes > 1 else "")
         + f", {type(fabric.strategy).__name__}, precision {fabric.strategy.precision.precision}",
         f"run       {out_dir} (environment.json there: versions and hardware)"])
 
 
-ROWS_PER_STEP = "rows per optimizer step (--batch-size x devices x --grad-accum)"
-
-
-def optimization(args, world_size: int, max_steps: int) -> dict:
-    """What defines the optimization, named by the flags that set it: a resume that changed one would continue
-    another run (the schedule would jump, the batches change mid-epoch)."""
-    return {"--seed": args.seed, "--optimizer": args.optimizer, "--lr": args.lr, "--weight-decay": args.weight_decay,
-            "--scheduler": args.scheduler, "--warmup": args.warmup, "--min-lr-rate": args.min_lr_rate,
-            "--grad-clip": args.grad_clip,
-            "optimizer steps (--max-steps, --epochs)": max_steps,
-            ROWS_PER_STEP: args.batch_size * world_size * args.grad_accum}
-
-
 def keep_rows_per_step(fabric, args, record: dict) -> int:
-    """The --grad-accum that keeps a checkpoint's rows per optimizer step on this run's number of devices (the
-    samplers give each optimizer step the same rows however they are split), so a resume on another number of
-    devices continues the same optimization."""
+    """The --grad-accum that keeps a checkpoint's rows per optimizer step (so the same rows) on this many devices."""
     written_by, rows = record["world_size"], record["fingerprint"][ROWS_PER_STEP]
     if written_by == fabric.world_size:
         return args.grad_accum
@@ -217,7 +201,7 @@ def keep_rows_per_step(fabric, args, record: dict) -> int:
         raise UserError(f"cannot continue {rows} rows per optimizer step on {fabric.world_size} devices with "
                         f"--batch-size {args.batch_size}: {fix}")
     say(f"resuming with world size {fabric.world_size} instead of {written_by}: --grad-accum "
-                 f"{rows // rows_per_batch} keeps {rows} rows per optimizer step")
+        f"{rows // rows_per_batch} keeps {rows} rows per optimizer step")
     return rows // rows_per_batch
 
 
@@ -236,15 +220,6 @@ def training_loss(objective, model, batch: dict) -> torch.Tensor:
     return objective.loss(objective.forward(model, batch), batch)
 
 
-def micro_batches(loader, grad_accum: int, start: int):
-    """Yields ``(batch, group_size, is_last)`` for the rest of the epoch from batch ``start`` on: how many micro-batches
-    the batch's optimizer step averages (the epoch's last group may be short), and whether it is the group's last."""
-    epoch_batches = start + len(loader)
-    for position, batch in enumerate(loader, start=start):
-        group_size = min(grad_accum, epoch_batches - (position - position % grad_accum))
-        yield batch, group_size, (position + 1) % grad_accum == 0 or position + 1 == epoch_batches
-
-
 def fit(fabric, args, state, loaders, preemption, ckpt_dir, max_steps, steps_per_epoch, flops_of,
         spec: TaskSpec) -> bool:
     """Trains until ``max_steps``, early stopping or preemption; returns whether it was preempted."""
@@ -255,16 +230,19 @@ def fit(fabric, args, state, loaders, preemption, ckpt_dir, max_steps, steps_per
                         start_step=state["step"], chance_loss=spec.chance_loss)
     monitor = Throughput(fabric, args.peak_tflops, flops_of, sized=spec.row_sizes is not None)
     if args.compile:
-        warm_up(fabric, model, optimizer, batch=next(iter(train_loader)),
-                loss_fn=functools.partial(training_loss, objective))
+        warm_up(fabric, model, optimizer, next(iter(train_loader)), functools.partial(training_loss, objective))
     fabric.barrier()
     monitor.start(state["step"])
     stale, preempted, stop = 0, False, False
     while state["step"] < max_steps and not stop:
         train_loader.batch_sampler.set_epoch(state["epoch"], start_batch=state["batch_in_epoch"])
         epoch_batches = state["batch_in_epoch"] + len(train_loader)  # the sampler skips what a resume has done
-        for batch, group_size, is_last in micro_batches(train_loader, args.grad_accum, state["batch_in_epoch"]):
+        for batch in train_loader:
+            # the micro-batches one optimizer step averages: --grad-accum, fewer at the end of the epoch
+            group_start = state["batch_in_epoch"] - state["batch_in_epoch"] % args.grad_accum
+            group_size = min(args.grad_accum, epoch_batches - group_start)
             state["batch_in_epoch"] += 1
+            is_last = state["batch_in_epoch"] == group_start + group_size
             with fabric.no_backward_sync(model, enabled=not is_last):  # DDP all-reduces only on the last
                 logits = objective.forward(model, batch)
                 loss = objective.loss(logits, batch)
@@ -279,8 +257,7 @@ def fit(fabric, args, state, loaders, preemption, ckpt_dir, max_steps, steps_per
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
-            state["step"] += 1
-            step = state["step"]
+            state["step"] = step = state["step"] + 1
 
             if step % args.log_every == 0 or step == max_steps:  # the only host-device syncs of the hot loop
                 log_step(fabric, progress, monitor, step, lr=scheduler.get_last_lr()[0], max_lr=args.lr)
@@ -313,8 +290,7 @@ def fit(fabric, args, state, loaders, preemption, ckpt_dir, max_steps, steps_per
 
 def log_step(fabric, progress, monitor, step, lr, max_lr) -> None:
     logged = progress.log(step, lr)
-    # every rank sees the same loss, so all stop here together. Under 16-mixed too: the loss scaler skips steps whose
-    # gradients overflow, but the loss itself stays finite then; a non-finite loss means the run diverged
+    # the same loss on every rank, so all stop together; non-finite means diverged (16-mixed's overflows are left out)
     if not math.isfinite(logged["train/loss"]):
         raise UserError(f"the training loss became {logged['train/loss']} by step {step}: lower --lr (now {max_lr}), "
                         f"keep --grad-clip on, or use --precision bf16-mixed/32-true")
@@ -344,8 +320,7 @@ def evaluate(fabric, model, loader, objective, predict: bool = False) -> dict:
     remaining = loader.batch_sampler.num_real  # the rest repeat a row so all ranks run the same number of batches
     predicted = []
     for batch in loader:
-        # every rank runs every forward, even on a batch of repeated rows only: under fsdp, fsdp2 and ZeRO-3 each
-        # forward is a collective (the all-gather of each block), and a rank that skipped one would hang the others
+        # every rank runs every forward, repeated rows too: under fsdp, fsdp2 and ZeRO-3 a skipped one hangs the rest
         logits = objective.forward(model, batch)
         if predict:  # of every row, repeated ones too: each rank then holds as many rows, as a gather needs
             predicted.append(objective.predict(logits, batch))
@@ -366,8 +341,7 @@ def evaluate(fabric, model, loader, objective, predict: bool = False) -> dict:
 
 
 def gather_rows(fabric, sampler, columns: list[dict]) -> dict:
-    """Each rank's per-row columns (one dict per batch) gathered over ranks: each real row once, as the
-    ``"row"`` column (its index in the split) orders them."""
+    """Each rank's per-row columns (a dict per batch) gathered over ranks: each real row once, in the split's order."""
     mine = {name: torch.cat([batch[name] for batch in columns]) for name in columns[0]}
     mine["row"] = torch.tensor(sampler.indices, device=fabric.device)
     mine["real"] = (torch.arange(len(sampler.indices), device=fabric.device) < sampler.num_real).int()
@@ -385,18 +359,14 @@ def finish(fabric, args, state, loaders, out_dir, spec: TaskSpec, report) -> dic
     objective = spec.objective
     test = evaluate(fabric, model, loaders["test"], objective=objective, predict=True)
     predictions = test.pop("predictions")
-    # what training and testing held on each rank; the export then gathers the whole model on rank 0 alone, on the
-    # host, under every strategy
+    # what training and testing held on each rank, before the export gathers the whole model on rank 0's host
     peaks = peak_memory_per_rank(fabric)
     export_model(fabric, best, out_dir / "model", write=lambda weights, folder: spec.export(weights, model, folder))
-    results = {
-        **{f"val_{k}": v for k, v in state["best_val"].items()}, **{f"test_{k}": v for k, v in test.items()},
-        "train_examples": len(spec.datasets["train"]), "steps": state["step"],
-        "epochs": state["epoch"] + (state["batch_in_epoch"] > 0), "world_size": fabric.world_size,
-        "precision": fabric.strategy.precision.precision, "strategy": type(fabric.strategy).__name__,
-        **state["throughput"], "peak_memory_mb_per_rank": peaks, **report,
-        "config": vars(args),
-    }
+    results = {**{f"val_{k}": v for k, v in state["best_val"].items()}, **{f"test_{k}": v for k, v in test.items()},
+               "train_examples": len(spec.datasets["train"]), "steps": state["step"],
+               "epochs": state["epoch"] + (state["batch_in_epoch"] > 0), "world_size": fabric.world_size,
+               "precision": fabric.strategy.precision.precision, "strategy": type(fabric.strategy).__name__,
+               **state["throughput"], "peak_memory_mb_per_rank": peaks, **report, "config": vars(args)}
     finalize_loggers(fabric.loggers)  # flushes metrics.csv, which the plots read; ends the tracked runs
     if fabric.is_global_zero:
         write_predictions(out_dir / "test_predictions.csv", predictions)
