@@ -1,8 +1,8 @@
-"""The training loop's flags, grouped by purpose, and their parsing. ``--config FILE`` (YAML) sets defaults; flags on
-the command line win. The task adds its own flags (data, model) and its defaults for these
-(``fabric_utils.task_spec``). Nothing here imports torch or Lightning, so ``--help`` and a bad value answer at once."""
+"""The training loop's flags and their parsing (the task adds its own: ``fabric_utils.task_spec``). Nothing here imports
+torch or Lightning, so ``--help`` and a bad value answer at once."""
 
 import argparse
+import contextlib
 import os
 from pathlib import Path
 
@@ -10,9 +10,8 @@ import yaml
 
 from fabric_utils.errors import UserError
 
-# Fabric's names, written out because importing Lightning to read its registries takes seconds (tests/infra/
-# test_launcher.py checks them against the registries): the strategies fabric.launch() starts by running this script
-# again (not ddp_spawn, ddp_fork, ddp_notebook, xla, xla_fsdp: they need the training as a function), and fsdp2
+# Fabric's names written out, as importing Lightning takes seconds (tests/infra/test_launcher.py checks them): the
+# strategies fabric.launch() starts by running this script again (not ddp_spawn, ddp_fork, ddp_notebook, xla, xla_fsdp)
 FSDP2 = "fsdp2"  # PyTorch's current FSDP (fully_shard), through Fabric's ModelParallelStrategy; not in its registry
 ACCELERATORS = ("auto", "cpu", "cuda", "mps", "tpu")
 STRATEGIES = ("auto", "ddp", "ddp_find_unused_parameters_true", "dp", "deepspeed", "deepspeed_stage_1",
@@ -26,40 +25,21 @@ LOGGER_NAMES = ("csv", "tensorboard", "mlflow", "wandb")
 LAUNCH_DEFAULTS = {"accelerator": "auto", "devices": "auto", "num_nodes": 1, "strategy": "auto", "precision": "auto"}
 
 
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
+def number(convert, ok, what: str):
+    """An argparse type: the text through ``convert``, refused unless ``ok`` with "must be ``what``"."""
+    def parse(text: str):
+        with contextlib.suppress(ValueError):
+            if ok(value := convert(text)):
+                return value
+        raise argparse.ArgumentTypeError(f"must be {what}, got {text}")
+    return parse
 
 
-def non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be zero or a positive integer, got {text}")
-    return value
-
-
-def positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
-    return value
-
-
-def non_negative_float(text: str) -> float:
-    value = float(text)
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be zero or positive, got {text}")
-    return value
-
-
-def probability(text: str) -> float:
-    """A rate in [0, 1): a dropout, the learning-rate floor."""
-    value = float(text)
-    if not 0 <= value < 1:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
-    return value
+positive_int = number(int, lambda value: value > 0, "a positive integer")
+non_negative_int = number(int, lambda value: value >= 0, "zero or a positive integer")
+positive_float = number(float, lambda value: value > 0, "a positive number")
+non_negative_float = number(float, lambda value: value >= 0, "zero or positive")
+probability = number(float, lambda value: 0 <= value < 1, "in [0, 1)")  # a rate: a dropout, the learning-rate floor
 
 
 def dropout(text: str):
@@ -78,25 +58,12 @@ class Parser(argparse.ArgumentParser):
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows defaults, but not "None" for flags whose default is explained in their help."""
+    """Shows defaults, the launch flags' too (applied after parsing), but not "None" where the help explains it."""
 
     def _get_help_string(self, action):
+        if action.dest in LAUNCH_DEFAULTS:
+            return f"{action.help} (default: {LAUNCH_DEFAULTS[action.dest]})"
         return action.help if action.default is None else super()._get_help_string(action)
-
-
-def add_launch_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("launch (as in `fabric run`; under `fabric run`, pass them there instead)")
-    group.add_argument("--accelerator", choices=ACCELERATORS,
-                       help=f"hardware to run on (default: {LAUNCH_DEFAULTS['accelerator']})")
-    group.add_argument("--devices", help=f"devices per node: a count (4), a list (0,1), -1 or auto (default: "
-                       f"{LAUNCH_DEFAULTS['devices']})")
-    group.add_argument("--num-nodes", type=int, help=f"number of machines (default: {LAUNCH_DEFAULTS['num_nodes']})")
-    group.add_argument("--strategy", choices=STRATEGIES, help=f"how to spread the work: ddp, fsdp, fsdp2, "
-                       f"deepspeed_stage_2, ... (default: {LAUNCH_DEFAULTS['strategy']})")
-    group.add_argument("--precision", choices=PRECISIONS,
-                       help=f"numeric precision (default: {LAUNCH_DEFAULTS['precision']} = bf16-mixed where the "
-                            f"hardware supports it, 16-mixed on older GPUs (32-true under fsdp2, which has no loss "
-                            f"scaler), else 32-true)")
 
 
 def launched_by_cli() -> bool:
@@ -104,13 +71,11 @@ def launched_by_cli() -> bool:
 
 
 def fabric_run_settings(flags: dict) -> dict:
-    """The launch settings given to ``fabric run``, which passes them on as ``LT_*`` environment variables; a setting
-    also given to the script (``flags``, None where not) with another value, or given to ``fabric run`` twice (it
-    reads its options even after the script's name, and takes the last), is a ``UserError`` saying which to remove."""
+    """The settings ``fabric run`` passes on as ``LT_*`` variables; one given to the script too (``flags``) with
+    another value, or to ``fabric run`` twice (it takes the last, even after train.py), is a ``UserError``."""
     if not launched_by_cli():
         return {}
-    settings = {name: os.environ[f"LT_{name.upper()}"] for name in LAUNCH_DEFAULTS
-                if f"LT_{name.upper()}" in os.environ}
+    settings = {name: os.environ[var] for name in LAUNCH_DEFAULTS if (var := f"LT_{name.upper()}") in os.environ}
     given = _fabric_run_options()
     for name, value in settings.items():
         flag = "--" + name.replace("_", "-")
@@ -124,8 +89,8 @@ def fabric_run_settings(flags: dict) -> dict:
 
 
 def _fabric_run_options() -> dict[str, list[str]]:
-    """Each launch setting's values on the command line of ``fabric run``, this process's parent (torchrun's agent
-    runs inside it and starts the script's processes); none where it cannot be read."""
+    """Each launch setting's values on ``fabric run``'s command line: this process's parent, as torchrun's agent runs in
+    it (none where unreadable)."""
     try:
         argv = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode(errors="replace").split("\0")
     except OSError:
@@ -140,11 +105,17 @@ def _fabric_run_options() -> dict[str, list[str]]:
 
 
 def build_parser(description: str) -> argparse.ArgumentParser:
-    """The flags of the training loop, whatever the task: launch, optimization, speed, checkpoints and logging.
-    The task adds its own (data, model) to the parser this returns."""
+    """The training loop's flags, whatever the task, to which the task adds its own (data, model)."""
     p = Parser(description=description, formatter_class=HelpFormatter)
     p.add_argument("--config", help="YAML file of flag values (as written to config.yaml); flags given here win")
-    add_launch_args(p)
+
+    g = p.add_argument_group("launch (as in `fabric run`; under `fabric run`, pass them there instead)")
+    g.add_argument("--accelerator", choices=ACCELERATORS, help="hardware to run on")
+    g.add_argument("--devices", help="devices per node: a count (4), a list (0,1), -1 or auto")
+    g.add_argument("--num-nodes", type=int, help="number of machines")
+    g.add_argument("--strategy", choices=STRATEGIES, help="how to spread the work: ddp, fsdp2, deepspeed_stage_2, ...")
+    g.add_argument("--precision", choices=PRECISIONS, help="numeric precision; auto: bf16-mixed where the hardware "
+                   "supports it, 16-mixed on older GPUs (32-true under fsdp2: no loss scaler), else 32-true")
 
     g = p.add_argument_group("optimization")
     g.add_argument("--epochs", type=positive_int, default=3)
@@ -152,22 +123,18 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     g.add_argument("--batch-size", type=batch_size, default=16,
                    help="rows per device per micro-batch, or auto: the largest that fits")
     g.add_argument("--eval-batch-size", type=positive_int, help="rows per device when evaluating (default 2x batch)")
-    g.add_argument("--grad-accum", type=positive_int, default=1,
-                   help="micro-batches per optimizer step; DDP, FSDP and ZeRO-1 reduce gradients only on the last, "
-                        "ZeRO-2/3 on every one (they keep only their shard)")
-    g.add_argument("--lr", type=positive_float,
-                   help="peak learning rate (default: the task's choice for the model it loads, which its flags' "
-                        "help describes)")
+    g.add_argument("--grad-accum", type=positive_int, default=1, help="micro-batches per optimizer step; DDP, FSDP "
+                   "and ZeRO-1 reduce gradients only on the last, ZeRO-2/3 on every one (they keep only their shard)")
+    g.add_argument("--lr", type=positive_float, help="peak learning rate (default: the task's choice for the model it "
+                   "loads, which its flags' help describes)")
     g.add_argument("--optimizer", choices=("adamw", "adam"), default="adamw")
     g.add_argument("--weight-decay", type=non_negative_float, default=0.01, help="AdamW decoupled weight decay")
     g.add_argument("--scheduler", choices=("linear", "cosine", "one-cycle", "constant"), default="linear",
                    help="learning-rate schedule after warm-up (linear and cosine end at --min-lr-rate)")
-    g.add_argument("--warmup", type=non_negative_float, default=0.06,
-                   help="warm-up length, a fraction of all steps if below 1 or else a step count (6%%, RoBERTa's "
-                        "recipe, keeps short runs near the peak rate)")
-    g.add_argument("--min-lr-rate", type=probability, default=0.3,
-                   help="where linear and cosine decay end, as a fraction of the peak rate (a short fine-tune still "
-                        "learns fast at its end; try 0 for runs of 100 steps or more)")
+    g.add_argument("--warmup", type=non_negative_float, default=0.06, help="warm-up length, a fraction of all steps "
+                   "if below 1 or else a step count (6%%, RoBERTa's recipe, keeps short runs near the peak rate)")
+    g.add_argument("--min-lr-rate", type=probability, default=0.3, help="where linear and cosine decay end, as a "
+                   "fraction of the peak rate (a short fine-tune still learns fast at its end; try 0 for 100+ steps)")
     g.add_argument("--grad-clip", type=non_negative_float, default=1.0, help="max gradient norm (0 disables)")
     g.add_argument("--seed", type=int, default=123)
 
@@ -177,14 +144,12 @@ def build_parser(description: str) -> argparse.ArgumentParser:
                    choices=("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"))
     g.add_argument("--grad-checkpointing", action="store_true", help="recompute the model's blocks' activations in "
                    "backward: less memory, about a third more compute")
-    g.add_argument("--group-by-length", action=argparse.BooleanOptionalAction, default=True,
-                   help="batch training rows of similar size (where the task gives sizes, e.g. tokens) so "
-                        "per-batch padding stays small")
-    g.add_argument("--num-workers", type=int, help="DataLoader worker processes per rank (default: from CPU count "
-                   "and processes per node)")
-    g.add_argument("--peak-tflops", type=positive_float,
-                   help="peak dense TFLOP/s of one device in the training precision, for MFU where Fabric does not "
-                        "know it (CPUs, and GPUs it warns 'FLOPs not found' for, such as an H200: 989 for bf16)")
+    g.add_argument("--group-by-length", action=argparse.BooleanOptionalAction, default=True, help="batch training "
+                   "rows of similar size (where the task gives sizes, e.g. tokens) so per-batch padding stays small")
+    g.add_argument("--num-workers", type=non_negative_int, help="DataLoader worker processes per rank (default: from "
+                   "CPU count and processes per node)")
+    g.add_argument("--peak-tflops", type=positive_float, help="peak dense TFLOP/s of a device in its precision, for "
+                   "MFU where Fabric lacks it (CPUs; GPUs it warns 'FLOPs not found' for: an H200 does 989 in bf16)")
 
     g = p.add_argument_group("evaluation, checkpoints and output")
     g.add_argument("--val-every", type=positive_int, help="also validate every N optimizer steps")
@@ -221,8 +186,6 @@ def parse_flags(parser: argparse.ArgumentParser, argv=None, presets: dict | None
     for name in args.logger.split(","):
         if name not in LOGGER_NAMES:
             raise UserError(f"unknown logger {name!r}: --logger takes a comma list of {', '.join(LOGGER_NAMES)}")
-    if args.num_workers is not None and args.num_workers < 0:
-        raise UserError("--num-workers must be 0 or more")
     fabric_run_settings({name: getattr(args, name) for name in LAUNCH_DEFAULTS})  # checked before torch loads
     return args
 
@@ -236,19 +199,15 @@ def load_config(path: str, parser: argparse.ArgumentParser) -> dict:
     """The flag values in YAML file ``path``, each checked as the same flag on the command line would be."""
     if not os.path.isfile(path):
         raise UserError(f"config file {path} does not exist")
-    with open(path) as f:
-        try:
-            config = yaml.safe_load(f) or {}
-        except yaml.YAMLError as err:
-            mark = getattr(err, "problem_mark", None)
-            where = f" line {mark.line + 1}" if mark else ""
-            raise UserError(f"config file {path}{where}: not valid YAML ({getattr(err, 'problem', None) or err})"
-                            ) from err
+    try:
+        config = yaml.safe_load(Path(path).read_text()) or {}
+    except yaml.YAMLError as err:
+        where = f" line {err.problem_mark.line + 1}" if getattr(err, "problem_mark", None) else ""
+        raise UserError(f"config file {path}{where}: not valid YAML ({getattr(err, 'problem', None) or err})") from err
     if not isinstance(config, dict):
         raise UserError(f"config file {path} must map flag names to values (as config.yaml does)")
     actions = {a.dest: a for a in parser._actions}
-    unknown = sorted(set(config) - set(actions))
-    if unknown:
+    if unknown := sorted(set(config) - set(actions)):
         raise UserError(f"config file {path} has unknown keys {unknown}")
     config.pop("config", None)
     for name, value in config.items():
@@ -267,7 +226,6 @@ def check_config_value(path: str, action: argparse.Action, value) -> None:
         for item in value if action.nargs in ("+", "*") and isinstance(value, list) else [value]:
             converted = action.type(str(item)) if action.type else item
             if action.choices is not None and converted not in action.choices:
-                raise argparse.ArgumentTypeError(f"must be one of {', '.join(map(str, action.choices))}, "
-                                                 f"got {item!r}")
+                raise argparse.ArgumentTypeError(f"must be one of {', '.join(map(str, action.choices))}, got {item!r}")
     except (argparse.ArgumentTypeError, ValueError) as err:
         raise UserError(f"config file {path}: {action.dest}: {err} (as {flag} on the command line)") from err

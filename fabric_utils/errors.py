@@ -15,8 +15,8 @@ class PeerLost(Exception):
 
 
 class UserError(Exception):
-    """Bad input from the user (flags, data, model, checkpoint, output folder). Most are found alike on every rank and
-    printed by rank 0 alone; one that only its own rank can see (a file of its own) names that ``rank``."""
+    """Bad input (flags, data, model, checkpoint, output folder), printed by rank 0 as every rank finds it, or by the
+    ``rank`` it names where only that rank can see it (a file of its own)."""
 
     def __init__(self, message: str, rank: int | None = None):
         super().__init__(message)
@@ -24,19 +24,20 @@ class UserError(Exception):
 
 
 def exit_on_user_error(main):
-    """Turns a ``UserError`` into ``error: <message>`` on stderr and exit status 2: printed by the first process of
-    the job (global rank 0, or a process that knows no rank yet), or by the rank the error names. The other ranks of
-    a job that lost a process stop without a traceback of their own: their next collective fails (gloo: "Connection
-    closed by peer"; NCCL: a DistError), and rank 0 says so in one line (``PeerLost``: with what it knows)."""
+    """A ``UserError`` becomes ``error: <message>`` on stderr, printed once, and exit status 2; when a process of the
+    job is lost, the others' next collective fails, and they stop with one line from rank 0 and no tracebacks."""
     @functools.wraps(main)
     def wrapper(*args, **kwargs):
         try:
             return main(*args, **kwargs)
         except UserError as err:
-            where = f" (rank {err.rank})" if err.rank else ""
+            line = f"error (rank {err.rank}): {err}" if err.rank else f"error: {err}"
             if err.rank is not None or _global_rank() == 0:
-                print(f"error{where}: {err}", file=sys.stderr, flush=True)
-            tell_torchrun(f"error{where}: {err}")
+                print(line, file=sys.stderr, flush=True)
+            if error_file := os.environ.get("TORCHELASTIC_ERROR_FILE"):  # torchrun reports it as the cause
+                record = {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}
+                with open(error_file, "w") as file:
+                    json.dump({"message": record}, file)
             sys.exit(EXIT_USER_ERROR)
         except Exception as err:
             if not isinstance(err, PeerLost) and not lost_a_peer(err):
@@ -46,16 +47,6 @@ def exit_on_user_error(main):
                       file=sys.stderr, flush=True)
             sys.exit(EXIT_PEER_FAILED)
     return wrapper
-
-
-def tell_torchrun(line: str) -> None:
-    """Under torchrun (and ``fabric run``, which runs it) a failed process's error file is what its failure report
-    shows as the cause, in place of a hint to enable tracebacks."""
-    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if error_file:
-        record = {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}
-        with open(error_file, "w") as file:
-            json.dump({"message": record}, file)
 
 
 def lost_a_peer(err: Exception) -> bool:

@@ -1,6 +1,5 @@
-"""Every private Lightning and PyTorch API the template uses, each with the reason it needs it: any release may change
-them, so on an upgrade this is the module to check. Written against lightning 2.6 and torch 2.13 (requirements.txt's
-``lightning>=2.6,<3``)."""
+"""Every private Lightning and PyTorch API the template uses, each with why: any release may change them, so on an
+upgrade this is the module to check (written against lightning 2.6 and torch 2.13)."""
 
 # a base class for a strategy's ``no_backward_sync``, which Fabric's DeepSpeed strategy lacks (launcher.py gives it one)
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
@@ -11,9 +10,9 @@ from lightning.fabric.utilities.load import _load_distributed_checkpoint
 # the eager module and compile arguments of a compiled one: DeepSpeed compiles inside its engine, not around it
 from lightning.fabric.wrappers import _unwrap_compiled
 # per-module activation checkpointing, which FSDP2 and torchtitan use: PyTorch keeps it only in this private module
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (CheckpointWrapper,
-                                                                         apply_activation_checkpointing,
-                                                                         checkpoint_wrapper)
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    CheckpointWrapper, apply_activation_checkpointing, checkpoint_wrapper)
+# a loader's worker processes, which a DataLoader has no public way to shut down (stop_workers)
 from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 
 __all__ = ["_BackwardSyncControl", "_SubprocessScriptLauncher", "_load_distributed_checkpoint", "_unwrap_compiled",
@@ -27,8 +26,7 @@ def set_backward_sync_control(strategy, control: _BackwardSyncControl) -> None:
 
 
 def stop_workers(loader) -> None:
-    """Shuts down a loader's persistent worker processes, as Lightning's Trainer does at the end of a loop: a
-    DataLoader has no public way to."""
+    """Shuts down a loader's persistent worker processes, as Lightning's Trainer does at the end of a loop."""
     loader = getattr(loader, "_dataloader", loader)  # inside Fabric's wrapper
     if isinstance(getattr(loader, "_iterator", None), _MultiProcessingDataLoaderIter):
         loader._iterator._shutdown_workers()
