@@ -1,14 +1,12 @@
 """Atomic, resumable checkpoints through ``fabric.save`` / ``fabric.load`` (so FSDP and DeepSpeed shard them).
 
-A checkpoint is a folder ``<root>/step-000123/`` holding ``state`` (a file, or a folder for sharded strategies),
-one ``rng-rank<r>.pt`` per rank, ``record.json`` (what the run must match to resume, and the number of processes
-that wrote it: read before anything is loaded) and ``manifest.json``: every other file and its size. It is written as
-``.tmp-step-000123`` and renamed only once every rank has finished, so a folder without the ``.tmp-`` prefix was
-complete when written; ``--resume auto`` checks it against its manifest (a disk, a copy or a hand can damage it
-later) and resumes from the newest whole one. The state's ``"fingerprint"`` entry, which ``record.json`` repeats, is
-what defines the run (model, labels, optimization): a resume must match it.
+``<root>/step-000123/`` holds ``state`` (a file, or a folder when sharded), ``rng-rank<r>.pt`` per rank, ``record.json``
+(the run's fingerprint, which a resume must match, and world size: read before anything loads) and ``manifest.json``
+(every other file's size). Written as ``.tmp-step-000123`` and renamed once every rank is done; ``--resume auto`` takes
+the newest one its manifest still matches (a disk, a copy or a hand can damage it later).
 """
 
+import contextlib
 import errno
 import json
 import pickle
@@ -16,7 +14,6 @@ import random
 import re
 import shutil
 from collections.abc import Callable
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -30,19 +27,16 @@ STEP_PATTERN = re.compile(r"^step-(\d+)$")
 MANIFEST = "manifest.json"
 RECORD = "record.json"
 FINGERPRINT = "fingerprint"
-LOSS_SCALER = "loss_scaler"
 
 
 def rng_state() -> dict:
     """Every random stream of this process, as tensors and plain types so ``weights_only=True`` can load it."""
     _, mt_key, mt_pos, has_gauss, gauss = np.random.get_state()
     version, py_state, py_gauss = random.getstate()
-    return {
-        "python": [version, list(py_state), py_gauss],
-        "numpy": [torch.from_numpy(mt_key.astype(np.int64)), mt_pos, has_gauss, gauss],
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-    }
+    return {"python": [version, list(py_state), py_gauss],
+            "numpy": [torch.from_numpy(mt_key.astype(np.int64)), mt_pos, has_gauss, gauss],
+            "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
 
 
 def set_rng_state(state: dict) -> None:
@@ -92,18 +86,15 @@ def save_checkpoint(fabric, root: Path, tag: str, state: dict, keep_last: int | 
 
 
 def with_loss_scaler(fabric, state: dict) -> dict:
-    """``state`` and, under 16-mixed, Fabric's precision plugin, whose state is its loss scaler's: the scale and the
-    steps since it last grew. Fabric leaves it out of checkpoints, and a resume that restarted at the first scale
-    would skip steps the uninterrupted run took. (DeepSpeed keeps its own scaler in its ZeRO files.)"""
-    return {**state, LOSS_SCALER: fabric.strategy.precision} if scales_loss(fabric) else state
+    """``state`` plus, under 16-mixed, the loss scaler Fabric leaves out: a resume at the first scale would skip steps
+    the uninterrupted run took (DeepSpeed keeps its own)."""
+    return {**state, "loss_scaler": fabric.strategy.precision} if scales_loss(fabric) else state
 
 
-@contextmanager
+@contextlib.contextmanager
 def _deepspeed_weights_only(fabric, state: dict):
-    """DeepSpeed writes its optimizer's whole state whatever ``state`` holds. For a checkpoint that holds no optimizer
-    (``checkpoints/best``, rewritten at every improvement) its ZeRO files then keep the fp32 master weights, which
-    loading the model and export read, but not Adam's two moments, twice their size, which only a resume needs.
-    ZeRO-3 keeps its optimizer's state without the moments (a few bytes): ``load_weights`` loads it."""
+    """Under DeepSpeed, a checkpoint without an optimizer (``best``) keeps the fp32 weights but not Adam's moments,
+    twice their size, which only a resume needs (DeepSpeed writes its optimizer whatever ``state`` holds)."""
     if not isinstance(fabric.strategy, DeepSpeedStrategy):
         yield
         return
@@ -119,7 +110,7 @@ def _deepspeed_weights_only(fabric, state: dict):
     def without_moments() -> dict:
         written = {k: v for k, v in full().items() if k != BASE_OPTIMIZER_STATE}
         if OPTIMIZER_STATE_DICT in written:
-            written[OPTIMIZER_STATE_DICT] = {**written[OPTIMIZER_STATE_DICT], "state": {}}
+            written[OPTIMIZER_STATE_DICT] = {**written[OPTIMIZER_STATE_DICT], "state": {}}  # load_weights reads it
         return written
 
     optimizer.state_dict = without_moments
@@ -130,11 +121,8 @@ def _deepspeed_weights_only(fabric, state: dict):
 
 
 def load_weights(fabric, path: Path, model) -> None:
-    """The model's weights from a checkpoint's ``state`` into the set-up ``model`` (the best model, once training
-    is over). Asked for the weights alone, ZeRO-3 builds the whole fp32 model on every rank from every rank's files,
-    well above a rank's training peak; asked for its optimizer too, each rank reads its own file only. The
-    optimizer's moments then become the file's, none for a checkpoint written without an optimizer: no more steps
-    can be taken after this."""
+    """A checkpoint's weights into the set-up ``model``. ZeRO-3 loads its optimizer too, so each rank reads only its
+    own file (the weights alone are built whole on every rank), which leaves the optimizer unfit for more steps."""
     state = {"model": model}
     if isinstance(fabric.strategy, DeepSpeedStrategy) and fabric.strategy.zero_stage_3:
         state["optimizer"] = fabric.strategy.model.optimizer  # the engine's ZeRO optimizer
@@ -147,32 +135,23 @@ def write_manifest(folder: Path) -> None:
 
 
 def damage(path: Path) -> str | None:
-    """What is wrong with checkpoint folder ``path`` (None: nothing): its manifest missing or unreadable, or a file
-    it lists missing or of another size."""
+    """What is wrong with checkpoint folder ``path`` by its manifest, or None."""
     try:
         files = json.loads((path / MANIFEST).read_text())
     except (OSError, ValueError):
         return f"its {MANIFEST} is missing or cannot be read"
     for name, size in files.items():
-        try:
-            found = (path / name).stat().st_size
-        except OSError:
+        if not (path / name).is_file():
             return f"{name} is missing"
-        if found != size:
+        if (found := (path / name).stat().st_size) != size:
             return f"{name} has {found} bytes, not the {size} written"
     return None
 
 
-def is_complete(path: Path) -> bool:
-    return damage(path) is None
-
-
 def step_checkpoints(root: Path, report: Callable[[str], None] | None = None) -> list[Path]:
     """Whole step checkpoints under ``root``, oldest first; ``report`` is told of each damaged one left out."""
-    if not root.is_dir():
-        return []
     found = []
-    for path in sorted((p for p in root.iterdir() if p.is_dir() and STEP_PATTERN.match(p.name)),
+    for path in sorted((p for p in root.glob("step-*") if p.is_dir() and STEP_PATTERN.match(p.name)),
                        key=lambda p: int(STEP_PATTERN.match(p.name).group(1))):
         problem = damage(path)
         if problem is None:
@@ -182,26 +161,16 @@ def step_checkpoints(root: Path, report: Callable[[str], None] | None = None) ->
     return found
 
 
-def recover_replaced(root: Path) -> None:
-    """Puts back a checkpoint (``best``) whose replacement was interrupted between its two renames."""
-    if not root.is_dir():
-        return
-    for old in root.glob(".old-*"):
-        final = root / old.name[len(".old-"):]
-        if not final.exists() and is_complete(old):
-            try:
-                old.rename(final)
-            except OSError:  # another rank got there first
-                pass
-
-
 def find_resume_checkpoint(resume: str | None, root: Path, report: Callable[[str], None] = print) -> Path | None:
-    """``--resume``: None, a checkpoint folder, or auto: the newest whole step checkpoint under ``root`` (each
-    damaged one skipped is reported)."""
+    """``--resume``: None, a checkpoint folder, or auto: the newest whole step checkpoint under ``root``."""
     if resume is None:
         return None
     if resume == "auto":
-        recover_replaced(root)
+        for old in root.glob(".old-*"):  # a "best" whose replacement stopped between its two renames
+            final = root / old.name[len(".old-"):]
+            if not final.exists() and damage(old) is None:
+                with contextlib.suppress(OSError):  # another process got there first
+                    old.rename(final)
         found = step_checkpoints(root, report)
         return found[-1] if found else None
     path = Path(resume)
@@ -221,7 +190,7 @@ def agreed_resume_checkpoint(fabric, resume: str | None, root: Path,
     chosen = fabric.broadcast(None if found is None else str(found))
     if chosen is None:
         return None
-    if not is_complete(Path(chosen)):
+    if damage(Path(chosen)):
         raise UserError(f"cannot resume: rank 0 resumes from {chosen}, which rank {fabric.global_rank} does not see "
                         f"whole; give every node the same --out-dir on a shared file system", rank=fabric.global_rank)
     return Path(chosen)
@@ -236,23 +205,16 @@ def read_record(path: Path) -> dict:
                         f"pass another --resume or start a new --out-dir") from err
 
 
-def reshards(fabric, path: Path) -> bool:
-    """Whether this checkpoint loads on another number of processes than wrote it: one file (single device, DDP)
-    does, and so does FSDP2's distributed checkpoint (torch.distributed.checkpoint reshards on load). FSDP's and
-    DeepSpeed's shards are laid out for the world that wrote them."""
-    return (path / "state").is_file() or isinstance(fabric.strategy, ModelParallelStrategy)
-
-
 def load_checkpoint(fabric, path: Path, state: dict, expected_fingerprint: dict | None = None) -> dict:
-    """Restores ``state`` in place from ``path`` and this rank's RNG streams; returns what was not restored in
-    place. Refuses with a UserError a checkpoint of another fingerprint (model, label set, optimization) or of
-    another number of processes that cannot be resharded, before restoring anything, and one that cannot be read."""
+    """Restores ``state`` in place from ``path`` and this rank's RNG streams; returns what was not restored in place.
+    Refuses, before restoring anything, another fingerprint (not a cryptic shape error) or a world it cannot reshard."""
     record = read_record(path)
-    if expected_fingerprint is not None:  # another model or label set would fail below with a cryptic shape error
-        # compared as the record holds it: lists, not tuples
+    if expected_fingerprint is not None:  # as the record holds it: lists, not tuples
         _check_fingerprint(path, record[FINGERPRINT], json.loads(json.dumps(expected_fingerprint)))
     written_by = record["world_size"]
-    if written_by != fabric.world_size and not reshards(fabric, path):
+    # one file (single device, DDP) and FSDP2's distributed checkpoint reshard on load; FSDP's, DeepSpeed's do not
+    reshards = (path / "state").is_file() or isinstance(fabric.strategy, ModelParallelStrategy)
+    if written_by != fabric.world_size and not reshards:
         raise UserError(f"checkpoint {path} holds the shards of {written_by} processes, which "
                         f"{type(fabric.strategy).__name__} cannot reshard for {fabric.world_size}: resume on "
                         f"{written_by} (ddp and fsdp2 checkpoints resume on any number of devices)")
@@ -268,8 +230,7 @@ def load_checkpoint(fabric, path: Path, state: dict, expected_fingerprint: dict 
         raise UserError(f"cannot restore checkpoint {path}: {message[:300]} (is it from another model or "
                         f"label set, or damaged? start a new --out-dir or pass another --resume)") from err
     for key, obj in live.items():
-        # sharded FSDP and FSDP2 checkpoints hand back a stateful object that is neither model nor optimizer (the
-        # scheduler) as its saved state_dict in place of the object: load it into the object, as the others do
+        # sharded FSDP and FSDP2 loads hand back a stateful non-model, non-optimizer (scheduler) as a state_dict
         if target[key] is not obj:
             obj.load_state_dict(target[key])
             target[key] = obj
@@ -288,18 +249,14 @@ def load_checkpoint(fabric, path: Path, state: dict, expected_fingerprint: dict 
 
 def _same_value(a, b) -> bool:
     """Equal, or two spellings (relative, absolute, ~) of one local path."""
-    if a == b:
-        return True
-    if not (isinstance(a, str) and isinstance(b, str)):
-        return False
-    pa, pb = Path(a).expanduser(), Path(b).expanduser()
-    return pa.exists() and pb.exists() and pa.resolve() == pb.resolve()
+    if isinstance(a, str) and isinstance(b, str) and a != b:
+        pa, pb = Path(a).expanduser(), Path(b).expanduser()
+        return pa.exists() and pb.exists() and pa.resolve() == pb.resolve()
+    return a == b
 
 
 def _check_fingerprint(path: Path, found, expected: dict) -> None:
     """Refuses a checkpoint whose fingerprint is not ``expected``, naming each difference."""
-    if found == expected:
-        return
     if not isinstance(found, dict):
         raise UserError(f"checkpoint {path} has no readable record of its task; start a new --out-dir or pass "
                         f"another --resume")

@@ -13,17 +13,12 @@ def full_state_dict(state_path: Path) -> dict:
     """The model's full, unsharded weights from a ``fabric.save`` checkpoint of any strategy."""
     if state_path.is_file():  # single device, DDP
         return torch.load(state_path, map_location="cpu", weights_only=True)["model"]
-    if (state_path / "latest").exists() or any(state_path.glob("*/mp_rank_*")):  # DeepSpeed ZeRO shards
-        return _zero_full_state_dict(state_path)
-    return _load_distributed_checkpoint(state_path)["model"]  # FSDP's and FSDP2's shards
-
-
-def _zero_full_state_dict(state_path: Path) -> dict:
-    """The fp32 master weights from ZeRO's shards, plus the frozen weights (LoRA's base model): ZeRO-1 leaves them
-    out of its shards (DeepSpeed saves frozen weights only where it partitions gradients, stages 2 and 3), but its
-    module file holds them whole, as stages 1 and 2 never partition the weights."""
+    if not ((state_path / "latest").exists() or any(state_path.glob("*/mp_rank_*"))):
+        return _load_distributed_checkpoint(state_path)["model"]  # FSDP's and FSDP2's shards
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
+    # ZeRO's fp32 master weights, plus the frozen ones (LoRA's base model) that ZeRO-1 leaves out of its shards: its
+    # module file holds them whole (stages 1 and 2 never partition the weights)
     weights = get_fp32_state_dict_from_zero_checkpoint(str(state_path), tag="checkpoint")
     module_file = min((state_path / "checkpoint").glob("*model_states.pt"))  # ZeRO-3 writes one per rank
     # memory-mapped: only the tensors taken below are read
@@ -33,8 +28,7 @@ def _zero_full_state_dict(state_path: Path) -> dict:
 
 
 def export_model(fabric, best_state: Path, out: Path, write: Callable[[dict, Path], None]) -> None:
-    """On rank 0, ``write(full_state_dict, folder)`` into a temporary folder that then replaces ``out``, so ``out`` is
-    never half written."""
+    """On rank 0, ``write(weights, folder)`` into a temporary folder that then replaces ``out``: never half written."""
     if fabric.is_global_zero:
         tmp = out.with_name(f".tmp-{out.name}")
         shutil.rmtree(tmp, ignore_errors=True)

@@ -1,9 +1,5 @@
-"""Where a run's metrics go: Fabric's CSV log (always), and TensorBoard, MLflow or W&B beside it; loss/acc plots.
-
-The CSV log is the run's own record: the plots are drawn from it and a resumed run appends a new version to it, so
-it is kept whatever else ``--logger`` names. MLflow and W&B go through Lightning's own loggers, which implement
-Fabric's logger interface (``fabric.log_dict`` calls their ``log_metrics``).
-"""
+"""Where a run's metrics go: Fabric's CSV log (always: the run's own record, which the plots read), and TensorBoard,
+MLflow or W&B beside it (Lightning's loggers, which implement Fabric's interface); loss/acc plots."""
 
 import importlib
 import json
@@ -16,36 +12,28 @@ from lightning.pytorch.loggers import MLFlowLogger, WandbLogger  # they import m
 
 from fabric_utils.errors import UserError
 
-# what each tracker imports, and the command that installs it (MLflow's local sqlite store needs SQLAlchemy, alembic)
-TRACKER_PACKAGES = {"mlflow": (("mlflow", "sqlalchemy", "alembic"), "pip install mlflow"),
-                    "wandb": (("wandb",), "pip install wandb")}
+# what each tracker imports, all installed by ``pip install <tracker>`` (MLflow's sqlite store needs the other two)
+TRACKER_MODULES = {"mlflow": ("mlflow", "sqlalchemy", "alembic"), "wandb": ("wandb",)}
 TRACKER_IDS_FILE = "trackers.json"
 
 
 def make_loggers(names: str, out_dir: Path, project: str, resume_ids: dict | None = None) -> list:
-    """Fabric's CSV logger (``logs/version_N/metrics.csv``; each start of the run, a resume too, gets a new version)
-    and the others named in ``names``. ``resume_ids`` (from ``tracker_ids``) continue the same MLflow and W&B runs.
-
-    Trackers are made only on rank 0, the one process that logs: MLflow opens (and creates) its store as soon as its
-    logger is built, which every process of the job at once would race for."""
+    """The CSV logger (a new ``logs/version_N`` per start) and those in ``names``; ``resume_ids`` continue the tracked
+    runs. Trackers exist on rank 0 only: MLflow creates its store when built, which every process would race for."""
     names = set(names.split(","))
-    trackers = [name for name in TRACKER_PACKAGES if name in names]
+    trackers = [name for name in TRACKER_MODULES if name in names]
     for name in trackers:  # before any logger exists, so a missing package leaves nothing behind
-        modules, install = TRACKER_PACKAGES[name]
-        for module in modules:
+        for module in TRACKER_MODULES[name]:
             try:
                 importlib.import_module(module)
             except ImportError as err:
-                raise UserError(f"--logger {name} needs the {module} package: {install}") from err
-    resume_ids = resume_ids or {}
+                raise UserError(f"--logger {name} needs the {module} package: pip install {name}") from err
     loggers = [CSVLogger(out_dir, name="logs")]
     if "tensorboard" in names:
         loggers.append(TensorBoardLogger(out_dir, name="tensorboard"))
     if rank_zero_only.rank == 0:  # known from the launcher's environment before Fabric starts the processes
-        if "mlflow" in trackers:
-            loggers.append(_mlflow_logger(out_dir, project, resume_ids.get("mlflow")))
-        if "wandb" in trackers:
-            loggers.append(_wandb_logger(out_dir, project, resume_ids.get("wandb")))
+        make = {"mlflow": _mlflow_logger, "wandb": _wandb_logger}
+        loggers += [make[name](out_dir, project, (resume_ids or {}).get(name)) for name in trackers]
     return loggers
 
 
@@ -63,34 +51,25 @@ def _mlflow_logger(out_dir: Path, project: str, run_id: str | None):
 
 
 def _wandb_logger(out_dir: Path, project: str, run_id: str | None):
-    """W&B's files go to ``<out_dir>/wandb``. It runs offline unless an API key is configured (``wandb login`` or
-    ``WANDB_API_KEY``), so a run never stops to ask for one; ``WANDB_MODE`` decides if set. ``wandb sync`` uploads
-    an offline run later."""
+    """Files in ``<out_dir>/wandb``; offline unless an API key is configured, so a run never stops to ask for one
+    (``WANDB_MODE`` decides if set; ``wandb sync`` uploads later)."""
     import wandb
 
-    mode = None  # wandb's default, or WANDB_MODE
-    if "WANDB_MODE" not in os.environ and not wandb.login(prompt=False, verify=False):
-        mode = "offline"
-    return WandbLogger(name=out_dir.name, save_dir=out_dir, project=project, id=run_id, mode=mode)
-
-
-def tracker_ids(loggers: list) -> dict:
-    """The run id of each tracker, as ``{"mlflow": ..., "wandb": ...}``, for ``make_loggers(resume_ids=...)``. Starts
-    the tracked runs if nothing was logged yet. Rank 0 only: elsewhere there are no trackers."""
-    ids = {}
-    for logger in loggers:
-        if isinstance(logger, MLFlowLogger):
-            ids["mlflow"] = logger.run_id
-        elif isinstance(logger, WandbLogger):
-            ids["wandb"] = logger.experiment.id
-    return ids
+    offline = "WANDB_MODE" not in os.environ and not wandb.login(prompt=False, verify=False)
+    return WandbLogger(name=out_dir.name, save_dir=out_dir, project=project, id=run_id,
+                       mode="offline" if offline else None)  # None: wandb's default, or WANDB_MODE
 
 
 def save_tracker_ids(fabric, out_dir: Path) -> None:
-    """Starts the tracked runs and keeps their ids in the run folder. Not in the checkpoint: Fabric takes its loggers
-    when it is built, so a resume needs the ids (``saved_tracker_ids``) before any checkpoint can be read."""
-    if fabric.is_global_zero:
-        ids = tracker_ids(fabric.loggers)
+    """Starts the tracked runs and keeps their ids in the run folder, not the checkpoint: Fabric takes its loggers when
+    built, so a resume needs them (``saved_tracker_ids``) before any checkpoint can be read."""
+    if fabric.is_global_zero:  # the one process with trackers
+        ids = {}
+        for logger in fabric.loggers:  # each id starts its run
+            if isinstance(logger, MLFlowLogger):
+                ids["mlflow"] = logger.run_id
+            elif isinstance(logger, WandbLogger):
+                ids["wandb"] = logger.experiment.id
         if ids:
             (out_dir / TRACKER_IDS_FILE).write_text(json.dumps(ids))
 
@@ -101,9 +80,8 @@ def saved_tracker_ids(out_dir: Path) -> dict:
 
 
 def finalize_loggers(loggers: list, status: str = "success") -> None:
-    """Flushes every logger (metrics.csv, which the plots read; the MLflow run is marked finished). Lightning's
-    ``WandbLogger.finalize`` leaves the W&B run open until the process exits: finish it here, so a second run in the
-    same process (a notebook, a sweep) starts a new one instead of reusing it."""
+    """Flushes every logger (metrics.csv, which the plots read) and ends the tracked runs; W&B's here, as Lightning
+    leaves it open until the process exits and a second run in it (a notebook, a sweep) would reuse it."""
     for logger in loggers:
         logger.finalize(status)
         if isinstance(logger, WandbLogger):
@@ -112,14 +90,12 @@ def finalize_loggers(loggers: list, status: str = "success") -> None:
 
 def plot_metrics(out_dir: Path) -> list[Path]:
     """One PNG per metric (loss, acc, f1, ...): its train and validation curves against the step, from every
-    ``metrics.csv`` of the run (a resumed run has one per start)."""
+    ``metrics.csv`` of the run (one per start)."""
     csvs = sorted(out_dir.glob("logs/version_*/metrics.csv"), key=lambda p: int(p.parent.name.split("_")[1]))
     if not csvs:
         return []
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import pandas as pd
+    from matplotlib.figure import Figure  # not pyplot: no global backend or figure to close
 
     frames = []
     for csv in csvs:  # a resumed run logs again from its checkpoint's step: the later log wins from there on
@@ -129,7 +105,8 @@ def plot_metrics(out_dir: Path) -> list[Path]:
     written = []
     names = {column.split("/", 1)[1] for column in metrics if column.startswith(("train/", "val/"))}
     for name in ["loss", *sorted(names - {"loss"})]:
-        fig, ax = plt.subplots(figsize=(6, 4))
+        fig = Figure(figsize=(6, 4), layout="tight")
+        ax = fig.subplots()
         for split in ("train", "val"):
             column = f"{split}/{name}"
             if column in metrics:
@@ -139,9 +116,7 @@ def plot_metrics(out_dir: Path) -> list[Path]:
                         label=split)
         ax.set(xlabel="optimizer step", ylabel=name, title=f"{name} per step")
         ax.legend()
-        fig.tight_layout()
         path = out_dir / f"{name}.png"
         fig.savefig(path, dpi=100)
-        plt.close(fig)
         written.append(path)
     return written

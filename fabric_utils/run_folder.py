@@ -23,17 +23,15 @@ LOCK_FILE = ".lock"
 
 def prepare_out_dir(out_dir: str | None, resume: str | None) -> tuple[Path, bool]:
     """The run folder this process proposes, and whether a failed start may remove it: ``--out-dir``, made now so a
-    bad one fails before any process starts, else a new ``runs/<time>``, made only once the job has agreed on global
-    rank 0's (``locked_run_folder``): nodes start seconds apart and would each name another. The name goes into the
-    environment, so the processes Fabric starts from this one propose the same. A folder that holds a run already
-    (its config, checkpoints or results) takes only a ``--resume``: a new run there would mix its checkpoints, logs
-    and results with the old run's."""
+    bad one fails before any process starts, else ``runs/<time>``, made once the job agrees on rank 0's (nodes start
+    seconds apart), in the environment so the processes Fabric starts propose the same. A folder holding a run takes
+    only ``--resume``: two runs' files would mix."""
     if out_dir is None:
         path = Path(os.environ.setdefault(RUN_DIR_ENV, f"runs/{datetime.now():%Y%m%d-%H%M%S}"))
         check_writable(path.parent)
         return path, True
     path = Path(out_dir)
-    if resume is None and holds_a_run(path):
+    if resume is None and any((path / name).exists() for name in ("config.yaml", "results.json", "checkpoints")):
         raise UserError(f"--out-dir {path} holds a run already; continue it with --resume auto, or pass a new "
                         f"--out-dir")
     created = not path.exists()
@@ -51,24 +49,17 @@ def check_writable(folder: Path) -> None:
         raise UserError(f"cannot write to output folder {folder} ({err.strerror}); pass a writable --out-dir") from err
 
 
-def holds_a_run(path: Path) -> bool:
-    return any((path / name).exists() for name in ("config.yaml", "results.json", "checkpoints"))
-
-
 @contextlib.contextmanager
 def locked_run_folder(fabric, proposed: Path):
-    """The job's one run folder, global rank 0's proposal, made and locked for the run's whole life. One run per
-    folder: rank 0 holds an exclusive lock on its ``.lock``, and every rank gets the same answer. The operating
-    system drops the lock with its process, so a run that was killed (``kill -9``, a lost node) never blocks its own
-    ``--resume auto``; a run that ends removes the file."""
+    """The job's one run folder (rank 0's proposal), locked by rank 0 for the run's life: one run per folder. The OS
+    drops the lock with its process, so a killed run (``kill -9``, a lost node) never blocks its own ``--resume``."""
     out_dir = Path(fabric.broadcast(str(proposed)))
     path, lock = out_dir / LOCK_FILE, None
     if fabric.is_global_zero:
         out_dir.mkdir(parents=True, exist_ok=True)
         lock = _lock(path)
     if not fabric.broadcast(lock is not None):
-        raise UserError(f"another run is using --out-dir {out_dir} right now; let it finish, or pass another "
-                        f"--out-dir")
+        raise UserError(f"another run is using --out-dir {out_dir} right now; let it finish, or pass another --out-dir")
     try:
         yield out_dir
     finally:
@@ -78,8 +69,8 @@ def locked_run_folder(fabric, proposed: Path):
 
 
 def _lock(path: Path):
-    """``path`` opened and locked, or None where another process holds the lock. A run that ended just now may have
-    removed the file this opened: its lock would then guard nothing, so that try starts again on a new file."""
+    """``path`` opened and locked, or None where another process holds the lock; again on a new file if a run that
+    just ended removed this one (its lock would guard nothing)."""
     while True:
         lock = open(path, "a")
         try:
@@ -99,15 +90,11 @@ def remove_if_unused(path: Path) -> None:
         shutil.rmtree(path)
 
 
-REPORTED_PACKAGES = ("torch", "lightning", "transformers", "datasets", "deepspeed", "peft")
-
-
 def package_version(name: str) -> str | None:
     """Read from the installed metadata, without importing (deepspeed's import alone probes for CUDA)."""
-    try:
+    with contextlib.suppress(importlib.metadata.PackageNotFoundError):
         return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return None
+    return None
 
 
 def environment_report(fabric) -> dict:
@@ -116,29 +103,24 @@ def environment_report(fabric) -> dict:
                   "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]}
     else:
         device = {"cpu": _cpu_model(), "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()}
-    return {
-        "python": sys.version.split()[0], "platform": platform.platform(), "torch": torch.__version__,
-        **{name: package_version(name) for name in REPORTED_PACKAGES if name != "torch"}, **device,
-        "world_size": fabric.world_size, "num_nodes": getattr(fabric.strategy, "num_nodes", 1),
-        "strategy": type(fabric.strategy).__name__, "precision": fabric.strategy.precision.precision,
-        "accelerator": type(fabric.accelerator).__name__,
-    }
+    return {"python": sys.version.split()[0], "platform": platform.platform(), "torch": torch.__version__,
+            **{name: package_version(name) for name in ("lightning", "transformers", "datasets", "deepspeed", "peft")},
+            **device, "world_size": fabric.world_size, "num_nodes": getattr(fabric.strategy, "num_nodes", 1),
+            "strategy": type(fabric.strategy).__name__, "precision": fabric.strategy.precision.precision,
+            "accelerator": type(fabric.accelerator).__name__}
 
 
 def _cpu_model() -> str:
-    try:
+    with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
                 return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
     return platform.processor()
 
 
 def save_config(fabric, args, out_dir: Path, environment: dict, resumed_at: int | None = None) -> None:
-    """The resolved flags as ``config.yaml`` (``--config`` reruns it, flags given beside it win) and ``environment``
-    (``environment_report``) as ``environment.json``; a resumed segment's with ``-resumed-at-step-N`` in their
-    names, so the run's first ones are never overwritten."""
+    """The resolved flags as ``config.yaml`` (``--config`` reruns it) and ``environment`` as ``environment.json``; a
+    resumed segment's named ``-resumed-at-step-N``, so the run's first ones are never overwritten."""
     if fabric.is_global_zero:
         segment = "" if resumed_at is None else f"-resumed-at-step-{resumed_at:06d}"
         (out_dir / f"config{segment}.yaml").write_text(yaml.safe_dump(vars(args), sort_keys=False))
@@ -146,8 +128,7 @@ def save_config(fabric, args, out_dir: Path, environment: dict, resumed_at: int 
 
 
 def write_predictions(path: Path, columns: dict) -> None:
-    """``columns`` (name -> a tensor, one entry per row) as a CSV file; a row's vector (one value per label) as one
-    cell of space-separated values."""
+    """``columns`` (name -> a tensor, a row each) as CSV; a vector (a value per label) as one space-separated cell."""
     cells = [column.tolist() for column in columns.values()]
     with open(path, "w", newline="") as f:
         writer = csv.writer(f)
