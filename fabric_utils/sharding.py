@@ -1,11 +1,7 @@
-"""Sharded training: a model's repeated blocks become the units that FSDP (``--strategy fsdp``) and FSDP2
-(``--strategy fsdp2``) gather and free one at a time, and whose activations ``--grad-checkpointing`` recomputes;
-Fabric sets up model and optimizer in the order each strategy needs.
-
-A block is a class the model names in ``_no_split_modules`` (Hugging Face models list their layer classes there for
-device maps; ``declare_blocks`` sets it from the task's ``TaskSpec.blocks``). Sharding the whole model as one unit
-instead gathers every weight at once for the whole forward: no memory saved over DDP, and no overlap of
-communication with compute.
+"""Sharded training: a model's repeated blocks are the units FSDP (``--strategy fsdp``) and FSDP2 (``fsdp2``) gather
+and free one at a time, and whose activations ``--grad-checkpointing`` recomputes (one unit for the whole model would
+gather every weight at once: no memory saved over DDP, no communication overlapped with compute). A block is a class
+the model names in ``_no_split_modules``, as Hugging Face models do; ``declare_blocks`` sets them from TaskSpec.blocks.
 """
 
 from typing import Callable
@@ -21,22 +17,19 @@ from fabric_utils.private import CheckpointWrapper, _unwrap_compiled, apply_acti
 
 
 def find_block_classes(model: nn.Module) -> tuple[type, ...]:
-    """The classes of the model's transformer blocks: those it names in ``_no_split_modules``, else those of the
-    modules held in its ``ModuleList``s (DistilBERT names none, but keeps its layers in one); none for a model
-    without either."""
-    names = set(getattr(model, "_no_split_modules", None) or ())
-    if names:
+    """The classes the model names in ``_no_split_modules``, else those of the modules in its ``ModuleList``s
+    (DistilBERT names none, but keeps its layers in one); none for a model without either."""
+    if names := set(getattr(model, "_no_split_modules", None) or ()):
         return tuple({type(module) for module in model.modules() if type(module).__name__ in names})
     return tuple({type(block) for blocks in model.modules() if isinstance(blocks, nn.ModuleList) for block in blocks})
 
 
 def block_classes(model: nn.Module) -> tuple[type, ...]:
     """``find_block_classes``, for the strategies that cannot run without them."""
-    found = find_block_classes(model)
-    if not found:
+    if not (found := find_block_classes(model)):
         raise UserError(f"cannot find the repeated blocks of {type(model).__name__} to shard or recompute one by "
                         f"one: the task names them in its TaskSpec's blocks; or use --strategy ddp")
-    return tuple(found)
+    return found
 
 
 def declare_blocks(model: nn.Module, blocks: tuple[type, ...]) -> nn.Module:
@@ -48,9 +41,8 @@ def declare_blocks(model: nn.Module, blocks: tuple[type, ...]) -> nn.Module:
 
 
 def recompute_blocks(model: nn.Module) -> None:
-    """``--grad-checkpointing`` outside FSDP and FSDP2 (which wrap the blocks they shard themselves): a model's own
-    gradient checkpointing where it has one (Hugging Face models; their checkpoints keep their names), else each
-    block wrapped to recompute its activations in backward."""
+    """``--grad-checkpointing`` outside FSDP and FSDP2 (which wrap the blocks they shard themselves): the model's own
+    where it has one (Hugging Face models: their checkpoints keep their names), else each block wrapped."""
     if hasattr(model, "gradient_checkpointing_enable"):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         return
@@ -60,12 +52,9 @@ def recompute_blocks(model: nn.Module) -> None:
 
 
 class BlockPolicy:
-    """FSDP's ``auto_wrap_policy`` and ``activation_checkpointing_policy``: true for the model's blocks. Fabric takes
-    the policy before the model exists; FSDP asks it about the root module first and then about each module below
-    it, so the policy reads the block classes off that root."""
-
-    def __init__(self):
-        self.blocks = None
+    """FSDP's ``auto_wrap_policy`` and ``activation_checkpointing_policy``, true for the model's blocks: Fabric takes
+    it before the model exists, so it reads the block classes off the root, which FSDP asks about first."""
+    blocks = None
 
     def __call__(self, module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bool:
         if self.blocks is None:
@@ -74,9 +63,8 @@ class BlockPolicy:
 
 
 def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy:
-    """Under bf16-mixed, FSDP2 gathers each unit's weights in bf16, the dtype autocast computes in (half the bytes of
-    fp32), and reduce-scatters the gradients in fp32, so the sum over ranks does not round; the sharded weights,
-    their gradients and the optimizer stay fp32. Other precisions gather the weights as they are."""
+    """Under bf16-mixed FSDP2 gathers weights in bf16, autocast's dtype (half the bytes), and reduce-scatters
+    gradients in fp32 so the sum over ranks does not round; shards, gradients and optimizer stay fp32."""
     if precision == "bf16-mixed":
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     return MixedPrecisionPolicy()
@@ -84,9 +72,8 @@ def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy:
 
 def shard_blocks(model: nn.Module, device_mesh, grad_checkpointing: bool,
                  mp_policy: MixedPrecisionPolicy) -> nn.Module:
-    """The ``parallelize_fn`` of ``--strategy fsdp2``: ``fully_shard`` on each block, then on the root for the rest
-    (embeddings, head). With ``grad_checkpointing`` each block is first wrapped to recompute its activations in
-    backward, inside its own shard unit (the order torchtitan uses)."""
+    """The ``parallelize_fn`` of ``--strategy fsdp2``: ``fully_shard`` on each block, then on the root for the rest;
+    with ``grad_checkpointing`` each block is wrapped to recompute first, inside its own shard unit (as torchtitan)."""
     blocks = block_classes(model)
     if grad_checkpointing:
         apply_activation_checkpointing(model, checkpoint_wrapper_fn=checkpoint_wrapper,
@@ -98,14 +85,13 @@ def shard_blocks(model: nn.Module, device_mesh, grad_checkpointing: bool,
             fully_shard(module, mesh=mesh, mp_policy=mp_policy)
     fully_shard(model, mesh=mesh, mp_policy=mp_policy)
     if any(param.is_meta for param in model.parameters()):  # a skeleton: each rank's shards get memory, no values
-        materialize(model, torch.device("cpu") if mesh.device_type == "cpu"
-                    else torch.device(mesh.device_type, torch.get_device_module(mesh.device_type).current_device()))
+        materialize(model, torch.device(mesh.device_type))  # no index: the current device, Fabric's for this rank
     return model
 
 
 def materialize(module: nn.Module, device: torch.device, recurse: bool = True) -> None:
-    """Memory on ``device`` for ``module``'s parameters on the meta device, their values unset (the pretrained
-    values or a checkpoint fill them); its buffers, real already, keep their values."""
+    """Memory on ``device`` for the parameters on the meta device, values unset (pretrained values or a checkpoint
+    fill them); the buffers, real already, keep their values."""
     buffers = {name: buffer.to(device) for name, buffer in module.named_buffers(recurse=recurse)}
     module.to_empty(device=device, recurse=recurse)
     with torch.no_grad():
@@ -114,20 +100,16 @@ def materialize(module: nn.Module, device: torch.device, recurse: bool = True) -
 
 
 def materialize_unit(module: nn.Module) -> None:
-    """FSDP's ``param_init_fn``, called on each module of a unit as the unit is wrapped, where a parameter is on
-    the meta device: on the CPU, from where FSDP moves the unit to its device and shards it."""
+    """FSDP's ``param_init_fn``, called on each module of a unit being wrapped: a skeleton's parameters get memory on
+    the CPU, from where FSDP moves the unit to its device and shards it."""
     if any(param.is_meta for param in module.parameters(recurse=False)):
         materialize(module, torch.device("cpu"), recurse=False)
 
 
 def gather_one_block_at_a_time(zero_config: dict, model: nn.Module) -> None:
-    """ZeRO-3 gathers each module's weights for its forward and for its backward and frees them in between, as FSDP
-    does with its units, but keeps a gathered weight that is used again within ``stage3_max_reuse_distance``
-    parameters, 1e9 by default: after the first step (which records the order) every rank of a model under a
-    billion parameters kept the whole model gathered, as much as a ddp rank holds. Its gradients go through a reduce
-    bucket of Lightning's 2e8 elements, more than a small model's. Sized to the largest block instead (the largest
-    module without children for a model without blocks): a rank holds about the block it computes and the next one,
-    prefetched. Small weights (biases, norms: under ``stage3_param_persistence_threshold``) stay gathered."""
+    """ZeRO-3 keeps gathered a weight used again within ``stage3_max_reuse_distance`` parameters (1e9 by default: a
+    whole model under a billion, as much as a ddp rank holds) and reduces in 2e8-element buckets; sized to the largest
+    block instead (largest leaf module without blocks), a rank holds about the block it computes and the next one."""
     blocks = find_block_classes(model)
     units = [module for module in model.modules()
              if isinstance(module, blocks) or (not blocks and next(module.children(), None) is None)]
@@ -136,8 +118,7 @@ def gather_one_block_at_a_time(zero_config: dict, model: nn.Module) -> None:
                        stage3_max_live_parameters=2 * block, reduce_bucket_size=block)
 
 
-# the name parts that Fabric (``_forward_module``), FSDP, activation checkpointing and torch.compile insert into a
-# parameter's name when they wrap the module holding it
+# what Fabric, FSDP, activation checkpointing and torch.compile insert into a parameter's name as they wrap its module
 WRAPPER_NAME_PARTS = frozenset({"_forward_module", "_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
 
 
@@ -146,38 +127,25 @@ def unwrapped_name(name: str) -> str:
 
 
 def full_shape(param: nn.Parameter) -> torch.Size:
-    """A parameter's shape as the model defines it; under ZeRO-3 (``deepspeed.zero.Init``) the tensor is this rank's
-    empty partition and DeepSpeed keeps the shape in ``ds_shape``."""
+    """The shape the model defines; under ZeRO-3 the tensor is this rank's empty partition and ``ds_shape`` holds it."""
     return getattr(param, "ds_shape", param.shape)
 
 
 def setup_model_and_optimizer(fabric, model: nn.Module,
                               make_optimizer: Callable[[nn.Module, dict[str, torch.Size]], Optimizer]):
-    """Fabric step 3: returns the set-up model and optimizer, and the plain torch optimizer inside (a learning-rate
-    schedule drives that one: DeepSpeed's wrapper is no torch Optimizer, but steps the same parameter groups).
-
-    FSDP shards the model first, and the optimizer must hold the sharded parameters, so it is built on the set-up
-    model; DeepSpeed builds its engine from model and optimizer together. ``make_optimizer(module, shapes)`` gets
-    each parameter's shape before set-up by its name in ``module``: FSDP (not FSDP2) turns every parameter into a
-    1-D slice of its unit's flat shard, so a rule by shape (no weight decay on biases and norms) must read it there.
-
-    The weights become fp32 whatever dtype the pretrained file holds: mixed precision computes in 16 bits but must
-    update fp32 weights (fp16 gradients cannot even be unscaled), and Fabric's precision converts from there where it
-    keeps them in another dtype (bf16-true). They are cast before set-up, when each rank holds them whole anyway (a
-    skeleton, fabric_utils/pretrained.py, is fp32 already and holds no values yet); FSDP2 casts each rank's shards
-    after sharding instead, so no rank holds a bf16-saved model whole in fp32.
-    DeepSpeed in 16 bits casts the weights to them itself and makes its fp32 master weights from those: a cast to
-    fp32 first would change no value, and only add a whole fp32 copy to each rank's peak."""
+    """Fabric step 3: the set-up model and optimizer, and the plain torch optimizer inside, which the schedule drives
+    (DeepSpeed's wrapper is no torch Optimizer). ``make_optimizer(module, shapes)`` builds on the set-up model, which
+    FSDP shards first, and gets each parameter's shape from before set-up by name (FSDP1 flattens them into shards).
+    Weights become fp32 (what mixed precision must update) before set-up, but FSDP2 casts each rank's shards after
+    sharding and DeepSpeed in 16 bits makes its fp32 master weights itself: neither puts a whole fp32 copy on a rank."""
+    is_deepspeed = isinstance(fabric.strategy, DeepSpeedStrategy)
     sharded_after = isinstance(fabric.strategy, ModelParallelStrategy)
-    deepspeed_casts = (isinstance(fabric.strategy, DeepSpeedStrategy)
-                       and fabric.strategy.precision.precision != "32-true")
-    if not (sharded_after or deepspeed_casts):
+    if not (sharded_after or is_deepspeed and fabric.strategy.precision.precision != "32-true"):
         model.float()
-    if isinstance(fabric.strategy, DeepSpeedStrategy):
+    if is_deepspeed:
         if fabric.strategy.zero_stage_3:
             gather_one_block_at_a_time(fabric.strategy.config["zero_optimization"], model)
-        # DeepSpeed compiles the module inside its engine itself, its hooks left eager; Fabric would compile the
-        # whole engine (its bookkeeping, ZeRO-3's parameter fetches) as it compiles a DDP wrapper
+        # DeepSpeed compiles the module inside its engine, its hooks eager; Fabric would compile the whole engine
         model, compile_kwargs = _unwrap_compiled(model)
         optimizer = make_optimizer(model, {name: full_shape(param) for name, param in model.named_parameters()})
         model, fabric_optimizer = fabric.setup(model, optimizer)
