@@ -1,15 +1,7 @@
-"""Batches for training and evaluation on any number of processes, for any task (``fabric_utils.task_spec``).
-
-What they need from a task: map-style datasets (``len(ds)``, ``ds[i]`` -> a row), a ``collate`` that turns a list of
-rows into a batch (a dict of tensors, rows first, the targets under ``"labels"``), and optionally each row's size
-(tokens for text) to group training rows of similar size and to sort evaluation rows, so padding stays small.
-
-Training: every rank gets different rows, every row is seen each epoch, the order changes per epoch, and with
-length grouping the rows of a batch have similar lengths so per-batch padding stays small. Evaluation: every row
-is scored exactly once across ranks; all ranks run the same number of batches (sharded strategies need every
-rank in every forward), so a rank that is one row short repeats one row, which ``EvalBatchSampler.num_real``
-lets the loop ignore.
-"""
+"""Batches of map-style datasets on any number of processes, grouped or sorted by each row's size (if the task gives
+sizes) so padding stays small. Training: every row once per epoch, on one rank. Evaluation: every row scored exactly
+once; all ranks run as many batches (sharded strategies need every rank in every forward), so a rank one row short
+repeats one, which ``EvalBatchSampler.num_real`` lets the loop ignore."""
 
 import math
 from collections.abc import Callable, Sequence
@@ -19,17 +11,11 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from fabric_utils.preemption import ignore_sigterm_in_worker
 
-MEGABATCH_FACTOR = 50  # how many optimizer steps' rows are sorted together when grouping by length
-
 
 class TrainBatchSampler(Sampler[list[int]]):
-    """Yields this rank's batches of one epoch; deterministic in (seed, epoch) so a resume can skip ahead.
-
-    The epoch's row order depends on the rows per optimizer step (``batch_size * num_replicas * grad_accum``), not on
-    how they are split into ranks and micro-batches: each optimizer step sees the same rows on 1 process with
-    ``--grad-accum 4`` as on 4 processes with 1, so a run can resume on another number of devices and go on with the
-    same steps. (Only an epoch whose rows do not divide among the ranks differs: its last step repeats a row per
-    missing one, as torch's DistributedSampler does.)"""
+    """This rank's batches of one epoch, deterministic in (seed, epoch) so a resume can skip ahead. The order depends
+    on the rows per optimizer step, not on how ranks and micro-batches split them: a run resumes on another number of
+    devices with the same steps (but where rows do not divide among ranks, the last repeats some to share evenly)."""
 
     def __init__(self, lengths, batch_size, num_replicas=1, rank=0, seed=0, group_by_length=True, grad_accum=1):
         self.lengths = list(lengths)
@@ -41,14 +27,13 @@ class TrainBatchSampler(Sampler[list[int]]):
         self.epoch, self.start_batch = epoch, start_batch
 
     def global_batches(self) -> list[list[int]]:
-        """The epoch's batches across all ranks, each of ``batch_size * num_replicas`` rows (the last may be
-        smaller, but always a multiple of ``num_replicas``)."""
+        """All ranks' batches, ``batch_size * num_replicas`` rows each (the last may have fewer, as many per rank)."""
         g = torch.Generator().manual_seed(self.seed + self.epoch)
         order = torch.randperm(len(self.lengths), generator=g).tolist()
         order += order[: -len(order) % self.num_replicas]  # pad, as DistributedSampler does, to share evenly
         if self.group_by_length:  # similar lengths within an optimizer step, but a random sequence of lengths
             step = self.batch_size * self.num_replicas * self.grad_accum
-            mega = step * MEGABATCH_FACTOR
+            mega = step * 50  # the rows of 50 optimizer steps are sorted by length together
             order = [i for s in range(0, len(order), mega)
                      for i in sorted(order[s:s + mega], key=self.lengths.__getitem__, reverse=True)]
             steps = [order[s:s + step] for s in range(0, len(order), step)]
@@ -91,18 +76,15 @@ def make_dataloaders(datasets: dict[str, Dataset], collate: Callable[[list], dic
                      group_by_length, num_workers, pin_memory, grad_accum=1) -> dict:
     """``{"train", "validation", "test"}`` loaders; the samplers already shard across ranks. Without ``sizes`` every
     row counts as the same size: training batches are plain shuffles, evaluation keeps the split's order."""
-    def loader(name, batch_sampler):
-        return DataLoader(datasets[name], batch_sampler=batch_sampler, collate_fn=collate, num_workers=num_workers,
-                          pin_memory=pin_memory, persistent_workers=num_workers > 0,
-                          worker_init_fn=ignore_sigterm_in_worker,  # a preemption's SIGTERM is the rank's to handle
-                          # a private generator keeps worker seeding off the global RNG that dropout draws from,
-                          # so creating an iterator mid-epoch after a resume does not shift the dropout masks
-                          generator=torch.Generator().manual_seed(seed))
-
     group_by_length = group_by_length and sizes is not None
     sizes = sizes or {name: [1] * len(dataset) for name, dataset in datasets.items()}
     samplers = {"train": TrainBatchSampler(sizes["train"], batch_size, world_size, rank, seed, group_by_length,
                                         grad_accum),
                 **{name: EvalBatchSampler(sizes[name], eval_batch_size, world_size, rank)
                    for name in ("validation", "test")}}
-    return {name: loader(name, sampler) for name, sampler in samplers.items()}
+    return {name: DataLoader(datasets[name], batch_sampler=sampler, collate_fn=collate, num_workers=num_workers,
+                             pin_memory=pin_memory, persistent_workers=num_workers > 0,
+                             worker_init_fn=ignore_sigterm_in_worker,  # a preemption's SIGTERM is the rank's to handle
+                             # not the global RNG: seeding workers from it would shift dropout masks after a resume
+                             generator=torch.Generator().manual_seed(seed))
+            for name, sampler in samplers.items()}

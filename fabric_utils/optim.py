@@ -5,17 +5,11 @@ import math
 import torch
 
 
-def build_optimizer(model, name: str, lr: float, weight_decay: float, device: torch.device,
-                    offload: bool = False, loss_scaling: bool = False,
-                    shapes: dict[str, torch.Size] | None = None) -> torch.optim.Optimizer:
-    """AdamW (decoupled weight decay, none on biases and norms) with fused kernels on CUDA and CPU (on a CPU, far
-    faster than the multi-tensor kernel) and multi-tensor (foreach) kernels elsewhere; ``adam`` is plain Adam, with
-    torch's default kernel. Under ``loss_scaling`` (16-mixed) AdamW keeps the
-    foreach kernel: Fabric's loss scaler unscales before clipping, which fused kernels refuse. With ``offload``
-    (DeepSpeed's ZeRO-Offload) the step runs on the CPU copy of the weights, where DeepSpeed accepts only its own
-    vectorized CPU Adam: the same update, the same groups. ``shapes`` (by parameter name) are the shapes the
-    parameters had before a strategy flattened them (``setup_model_and_optimizer`` hands them over): the groups are
-    told apart by them."""
+def build_optimizer(model, name: str, lr: float, weight_decay: float, device: torch.device, offload: bool = False,
+                    loss_scaling: bool = False, shapes: dict[str, torch.Size] | None = None) -> torch.optim.Optimizer:
+    """AdamW, no decay on biases and norms (``shapes``: by name, from before a strategy flattened them), with fused
+    kernels (on a CPU too: far faster) but foreach off CUDA and CPU or under ``loss_scaling``, whose unscaling before
+    clipping fused ones refuse. ``adam`` is plain Adam; ``offload`` (ZeRO-Offload) needs DeepSpeed's own CPU Adam."""
     adamw = name == "adamw"
     if adamw:
         decay, no_decay = [], []
@@ -36,8 +30,7 @@ def build_optimizer(model, name: str, lr: float, weight_decay: float, device: to
 
 
 def count_parameters(model) -> dict:
-    """Trainable and all parameters of a model not yet set up: whole, on the meta device, or partitioned by ZeRO-3
-    (``deepspeed.zero.Init``), which keeps each one's whole size in ``ds_numel``."""
+    """Trainable and all parameters, whole, on meta or partitioned by ZeRO-3 (whose ``ds_numel`` is the whole size)."""
     sizes = [(getattr(p, "ds_numel", p.numel()), p.requires_grad) for p in model.parameters()]
     return {"trainable_params": sum(size for size, trainable in sizes if trainable),
             "total_params": sum(size for size, _ in sizes)}
@@ -49,10 +42,8 @@ def count_warmup_steps(warmup: float, max_steps: int) -> int:
 
 
 def build_scheduler(optimizer, name: str, lr: float, max_steps: int, warmup_steps: int, min_lr_rate: float = 0.0):
-    """Linear warm-up from 0, then linear decay, half a cosine, or the peak kept (``constant``: a fixed rate after
-    any warm-up): the schedules of transformers' ``get_scheduler``. The decay ends at ``min_lr_rate`` x the
-    peak (transformers' ``cosine_with_min_lr`` name). ``one-cycle`` is PyTorch's OneCycleLR with the warm-up as its
-    rising phase."""
+    """transformers' schedules: linear warm-up from 0, then linear, cosine or no decay, down to ``min_lr_rate`` x the
+    peak; ``one-cycle`` is PyTorch's OneCycleLR with the warm-up as its rising phase."""
     if name == "one-cycle":
         return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=lr, total_steps=max_steps,
                                                    pct_start=max(warmup_steps, 1) / max_steps)
