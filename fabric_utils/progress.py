@@ -44,7 +44,7 @@ class Progress:
     def __init__(self, fabric, total_steps: int, quiet: bool, metrics, steps_per_epoch: int | None = None,
                  rows_per_step: int | None = None, start_step: int = 0, chance_loss: float | None = None):
         self.fabric = fabric
-        self.chance_loss, self.left_chance = chance_loss, False
+        self.chance_loss, self.losses = chance_loss, []  # the logged losses, for the stuck-at-chance check
         self.metrics = metrics.to(fabric.device)  # a torchmetrics collection; compute() sums over ranks
         self.sums = torch.zeros(2, device=fabric.device)  # the loss times its rows, and the rows
         self.skips_overflow = fabric.strategy.precision.precision == "16-mixed"
@@ -73,12 +73,16 @@ class Progress:
         self.sums.zero_()
         self.metrics.reset()
         self.step, self.logged = step, logged
-        self.left_chance |= self.chance_loss is not None and logged["train/loss"] < STUCK_WITHIN * self.chance_loss
+        self.losses.append(logged["train/loss"])
         return logged
 
     def stuck_at_chance(self) -> bool:
-        """True at the last log step if the loss never left chance level: judged at the end, as some runs leave late."""
-        return self.chance_loss is not None and not self.left_chance and self.step >= self.total
+        """True at the last log step if the mean loss over the run's last quarter is at chance level: at the end, as
+        some runs leave it late, and a mean, as one log step's loss can dip below it by chance."""
+        if self.chance_loss is None or self.step < self.total:
+            return False
+        last_quarter = self.losses[-max(1, len(self.losses) // 4):]
+        return sum(last_quarter) / len(last_quarter) >= STUCK_WITHIN * self.chance_loss
 
     def show(self) -> None:
         """The last logged step: the bar's numbers, or one line ``step 40/120 (epoch 1/3): loss 0.41, ... left``."""
