@@ -58,10 +58,13 @@ class Progress:
 
     def update(self, loss: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor) -> None:
         loss = loss.detach().float()
-        # under 16-mixed the scaler skips the step of a loss that overflowed: leave that loss out too (only a window
-        # with no finite loss means the run diverged)
-        counted = torch.isfinite(loss) if self.skips_overflow else torch.ones_like(loss, dtype=torch.bool)
-        self.sums += torch.stack([torch.where(counted, loss, 0.0), counted.float()]) * len(labels)
+        if self.skips_overflow:  # the scaler skips the step of a loss that overflowed: leave that loss out too
+            finite = torch.isfinite(loss)
+            self.sums[0] += torch.where(finite, loss, 0.0) * len(labels)
+            self.sums[1] += finite * len(labels)
+        else:  # no mask to build in the hot loop where nothing skips a step
+            self.sums[0] += loss * len(labels)
+            self.sums[1] += len(labels)
         self.metrics.update(logits.detach(), labels)
 
     def log(self, step: int, lr: float) -> dict:
