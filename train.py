@@ -44,8 +44,8 @@ from fabric_utils.export import export_model
 from fabric_utils.launcher import (build_fabric, clips_in_loop, explain_lost_peers, launch, offloads_optimizer,
                                    scales_loss, strategy_checkpoints_blocks, warn_if_updates_vanish)
 from fabric_utils.loaders import make_dataloaders
-from fabric_utils.loggers import finalize_loggers, make_loggers, plot_metrics, save_tracker_ids, saved_tracker_ids
-from fabric_utils.optim import build_optimizer, build_scheduler, count_parameters, count_warmup_steps
+from fabric_utils.loggers import finalize_loggers, make_loggers, plot_metrics, save_tracker_ids
+from fabric_utils.optim import build_optimizer, build_scheduler, count_parameters
 from fabric_utils.preemption import STATUS_FILE, Preemption
 from fabric_utils.pretrained import build_model, load_pretrained
 from fabric_utils.progress import Progress, say, shows_bars, silence_libraries
@@ -53,8 +53,7 @@ from fabric_utils.run_folder import (environment_report, locked_run_folder, prep
                                      save_config, write_predictions)
 from fabric_utils.sharding import declare_blocks, recompute_blocks, setup_model_and_optimizer
 from fabric_utils.task_spec import TaskSpec
-from fabric_utils.speed import (Throughput, compile_model, configure_backends, default_num_workers,
-                                peak_memory_per_rank, training_flops_fn, warm_up)
+from fabric_utils.speed import Throughput, default_num_workers, peak_memory_per_rank, training_flops_fn, warm_up
 
 
 @exit_on_user_error
@@ -64,8 +63,7 @@ def setup(argv=None) -> dict:
         silence_libraries()
     out_dir, created = prepare_out_dir(args.out_dir, resume=args.resume)
     try:
-        loggers = make_loggers(args.logger, out_dir, project=args.tracker_project,  # a resume continues tracked runs
-                               resume_ids=saved_tracker_ids(out_dir) if args.resume else None)
+        loggers = make_loggers(args.logger, out_dir, project=args.tracker_project, resume=bool(args.resume))
         fabric = build_fabric(accelerator=args.accelerator, devices=args.devices, num_nodes=args.num_nodes,
                               strategy=args.strategy, precision=args.precision, grad_clip=args.grad_clip,
                               grad_checkpointing=args.grad_checkpointing, loggers=loggers)   # Fabric step 1
@@ -81,7 +79,9 @@ def setup(argv=None) -> dict:
 def main(fabric, args, out_dir: Path) -> dict:
     fabric.seed_everything(args.seed)
     preemption = Preemption()  # from here on, SIGTERM/SIGUSR1 lead to a checkpoint, not a lost run
-    configure_backends(fabric.device)
+    if fabric.device.type == "cuda":  # TF32 matrix products and cuDNN autotuning: free speed on Ampere+ GPUs
+        torch.set_float32_matmul_precision("high")
+        torch.backends.cudnn.benchmark = True
     env = environment_report(fabric)
     if args.verbose:
         say(json.dumps(env, indent=1))
@@ -102,8 +102,8 @@ def main(fabric, args, out_dir: Path) -> dict:
     loaders = make_loaders(fabric, args, spec)
     steps_per_epoch = math.ceil(len(loaders["train"]) / args.grad_accum)
     max_steps = args.max_steps or args.epochs * steps_per_epoch
-    scheduler = build_scheduler(torch_optimizer, args.scheduler, lr=args.lr, max_steps=max_steps,
-                                warmup_steps=count_warmup_steps(args.warmup, max_steps), min_lr_rate=args.min_lr_rate)
+    scheduler = build_scheduler(torch_optimizer, args.scheduler, lr=args.lr, max_steps=max_steps, warmup=args.warmup,
+                                min_lr_rate=args.min_lr_rate)
     state = restore(fabric, args, spec, model, optimizer, scheduler, max_steps, checkpoint=resume_from)
     # only now: bad data, model or checkpoint leave the folder as it was; each resumed segment keeps its own flags
     save_config(fabric, args, out_dir, resumed_at=state["step"] if resume_from else None, environment=env)
@@ -137,8 +137,8 @@ def build(fabric, args, spec: TaskSpec, pretrained: bool):
     step_loss = functools.partial(training_loss, spec.objective)
     flops_of = training_flops_fn(  # FLOPs of forward and backward, for MFU
         model, lambda m, size: step_loss(m, spec.example_batch(1, size, "meta")), max_size=spec.max_size)
-    if args.compile:
-        model = compile_model(model, mode=args.compile_mode)
+    if args.compile:  # fabric.setup recompiles it around the strategy's wrapper; dynamic: one graph for every length
+        model = torch.compile(model, mode=args.compile_mode, dynamic=True)
     model, optimizer, torch_optimizer = setup_model_and_optimizer(                              # Fabric step 3
         fabric, model, lambda module, shapes: build_optimizer(module, name=args.optimizer, lr=args.lr,
                                                               weight_decay=args.weight_decay, device=fabric.device,

@@ -89,8 +89,7 @@ def fabric_run_settings(flags: dict) -> dict:
 
 
 def _fabric_run_options() -> dict[str, list[str]]:
-    """Each launch setting's values on ``fabric run``'s command line: this process's parent, as torchrun's agent runs in
-    it (none where unreadable)."""
+    """Each launch setting's values on ``fabric run``'s command line: this process's parent's (torchrun's agent)."""
     try:
         argv = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode(errors="replace").split("\0")
     except OSError:

@@ -15,13 +15,10 @@ MEMORY_HEADROOM = 0.9  # of the GPU's memory: the caching allocator's fragmentat
 
 def find_batch_size(fabric, model, optimizer, *, make_batch: Callable[[int], dict],
                     loss_fn: Callable[[torch.nn.Module, dict], torch.Tensor], limit: int = MAX_BATCH) -> int:
-    """Doubles the batch from 1 while a training step fits; returns the largest that did, on every rank.
-    ``make_batch(rows)`` gives rows at the longest length training will see, ``loss_fn(model, batch)`` the loss.
-
-    The set-up ``model`` and ``optimizer`` make the probe pay for what training pays for (wrappers' buckets, shards,
-    precision, the optimizer's state, from a real step at learning rate 0); it leaves training's start unchanged. All
-    ranks try the same sizes and agree after each, as the collectives in a step must stay in lockstep; a step out of
-    memory halfway can leave a strategy mid-reduction, so the probe stops before one that would not fit."""
+    """Doubles the batch from 1 while a training step fits; returns the largest that did, agreed by all ranks.
+    ``make_batch(rows)`` gives rows at training's longest length. Real steps at learning rate 0 on the set-up model and
+    optimizer pay for what training pays for (buckets, shards, optimizer state); all ranks try each size in lockstep
+    and stop before a step that would not fit, as one out of memory halfway can leave a strategy mid-reduction."""
     model.train()  # from_pretrained returns it in eval mode; what must fit is training's step, dropout included
     lrs = [group["lr"] for group in optimizer.param_groups]
     for group in optimizer.param_groups:
@@ -48,9 +45,8 @@ def find_batch_size(fabric, model, optimizer, *, make_batch: Callable[[int], dic
 
 
 def _try_step(fabric, model, optimizer, batch: dict, loss_fn) -> tuple[int, int]:
-    """One training step on ``batch``: whether it fit, and whether twice the rows would: on a CPU if it took at most
-    MAX_STEP_SECONDS, on a GPU if the held memory plus twice what the step added (activations scale with the rows,
-    gradients do not: an overestimate on the safe side) stays within MEMORY_HEADROOM."""
+    """One step: whether it fit, and whether twice the rows would (CPU: within MAX_STEP_SECONDS; GPU: held memory plus
+    twice what the step added, an overestimate as gradients do not grow with rows, within MEMORY_HEADROOM)."""
     cuda = fabric.device.type == "cuda"
     if cuda:
         torch.cuda.empty_cache()

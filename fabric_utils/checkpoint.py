@@ -1,10 +1,7 @@
-"""Atomic, resumable checkpoints through ``fabric.save`` / ``fabric.load`` (so FSDP and DeepSpeed shard them).
-
-``<root>/step-000123/`` holds ``state`` (a file, or a folder when sharded), ``rng-rank<r>.pt`` per rank, ``record.json``
-(the run's fingerprint, which a resume must match, and world size: read before anything loads) and ``manifest.json``
-(every other file's size). Written as ``.tmp-step-000123`` and renamed once every rank is done; ``--resume auto`` takes
-the newest one its manifest still matches (a disk, a copy or a hand can damage it later).
-"""
+"""Atomic, resumable checkpoints through ``fabric.save`` / ``fabric.load`` (so FSDP and DeepSpeed shard them): a folder
+``step-000123`` with ``state``, ``rng-rank<r>.pt`` per rank, ``record.json`` (fingerprint and world size, read before
+anything loads) and ``manifest.json`` (every file's size), written as ``.tmp-*`` and renamed once every rank is done;
+``--resume auto`` takes the newest whose manifest still matches (a disk, a copy or a hand can damage one later)."""
 
 import contextlib
 import errno
@@ -205,9 +202,9 @@ def read_record(path: Path) -> dict:
                         f"pass another --resume or start a new --out-dir") from err
 
 
-def load_checkpoint(fabric, path: Path, state: dict, expected_fingerprint: dict | None = None) -> dict:
-    """Restores ``state`` in place from ``path`` and this rank's RNG streams; returns what was not restored in place.
-    Refuses, before restoring anything, another fingerprint (not a cryptic shape error) or a world it cannot reshard."""
+def load_checkpoint(fabric, path: Path, state: dict, expected_fingerprint: dict | None = None) -> None:
+    """Restores ``state`` in place from ``path``, and this rank's RNG streams; refuses first, before restoring anything,
+    another fingerprint (not a cryptic shape error) or a world it cannot reshard."""
     record = read_record(path)
     if expected_fingerprint is not None:  # as the record holds it: lists, not tuples
         _check_fingerprint(path, record[FINGERPRINT], json.loads(json.dumps(expected_fingerprint)))
@@ -221,7 +218,7 @@ def load_checkpoint(fabric, path: Path, state: dict, expected_fingerprint: dict 
     target = with_loss_scaler(fabric, state)  # fabric.load restores it in place, in the plugin
     live = {key: obj for key, obj in target.items() if hasattr(obj, "load_state_dict")}
     try:
-        remainder = fabric.load(path / "state", target, weights_only=True)
+        fabric.load(path / "state", target, weights_only=True)
     except pickle.UnpicklingError as err:  # torch's own message suggests weights_only=False: not the fix for this
         raise UserError(f"cannot restore checkpoint {path}: its state file is damaged or was not written by "
                         f"train.py; pass another --resume or start a new --out-dir") from err
@@ -244,7 +241,6 @@ def load_checkpoint(fabric, path: Path, state: dict, expected_fingerprint: dict 
                             f"({type(err).__name__}); pass another --resume or start a new --out-dir",
                             rank=fabric.global_rank) from err
         set_rng_state(rng)
-    return remainder
 
 
 def _same_value(a, b) -> bool:

@@ -6,9 +6,6 @@ import os
 import sys
 import time
 
-EXIT_USER_ERROR = 2
-EXIT_PEER_FAILED = 1
-
 
 class PeerLost(Exception):
     """A collective failed because another process of the job ended; the message says what is known of it."""
@@ -38,14 +35,14 @@ def exit_on_user_error(main):
                 record = {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}
                 with open(error_file, "w") as file:
                     json.dump({"message": record}, file)
-            sys.exit(EXIT_USER_ERROR)
+            sys.exit(2)  # as argparse exits on a bad flag
         except Exception as err:
             if not isinstance(err, PeerLost) and not lost_a_peer(err):
                 raise
             if _global_rank() == 0:
                 print(f"stopping: {err if isinstance(err, PeerLost) else 'another process of this job ended'}",
                       file=sys.stderr, flush=True)
-            sys.exit(EXIT_PEER_FAILED)
+            sys.exit(1)
     return wrapper
 
 

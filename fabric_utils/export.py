@@ -17,8 +17,7 @@ def full_state_dict(state_path: Path) -> dict:
         return _load_distributed_checkpoint(state_path)["model"]  # FSDP's and FSDP2's shards
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    # ZeRO's fp32 master weights, plus the frozen ones (LoRA's base model) that ZeRO-1 leaves out of its shards: its
-    # module file holds them whole (stages 1 and 2 never partition the weights)
+    # ZeRO's fp32 master weights, plus the frozen ones (LoRA's base) ZeRO-1 leaves out, whole in its module file
     weights = get_fp32_state_dict_from_zero_checkpoint(str(state_path), tag="checkpoint")
     module_file = min((state_path / "checkpoint").glob("*model_states.pt"))  # ZeRO-3 writes one per rank
     # memory-mapped: only the tensors taken below are read

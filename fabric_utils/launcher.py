@@ -58,16 +58,14 @@ def end_job(fabric: Fabric) -> None:
     interpreter teardown, gloo's threads can kill a process whose work is done."""
     if torch.distributed.is_initialized():
         fabric.barrier()
-        # the group's destructor joins gloo's workers holding the GIL, which a worker freeing a collective's tensors
-        # needs: a moment without the GIL lets them finish, else the process could hang for good
-        time.sleep(0.1)
+        time.sleep(0.1)  # gloo's workers may need the GIL, which the group's destructor holds while it joins them
         torch.distributed.destroy_process_group()
 
 
 def join_restarted_torchrun_workers(fabric: Fabric) -> None:
     """Workers restarted by ``torchrun --max-restarts`` get the first attempt's store, where gloo would find the dead
-    workers' addresses: they join under a key prefix of their attempt, counted in the store (every worker adds one)
-    since ``TORCHELASTIC_RESTART_COUNT`` is counted per node. Fabric then uses the group made."""
+    workers' addresses: they join under their attempt's key prefix, counted in the store (the restart count is per
+    node); Fabric then uses the group made."""
     if "TORCHELASTIC_RESTART_COUNT" not in os.environ or torch.distributed.is_initialized():
         return
     store = torch.distributed.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
@@ -130,7 +128,15 @@ def build_fabric(accelerator=None, devices=None, num_nodes=None, strategy=None, 
     if deepspeed and not isinstance(fabric.accelerator, fabric_deepspeed.CUDAAccelerator):
         raise UserError(f"--strategy {settings['strategy']} needs CUDA GPUs (DeepSpeed); on a CPU use --strategy ddp, "
                         f"{FSDP2} or auto")
-    check_cpu_processes(fabric, settings)
+    # CPU processes beyond the cores each train with their own threads: the job would crawl (launchers that start
+    # the processes themselves, torchrun and SLURM, have placed them already)
+    environment = getattr(fabric.strategy, "cluster_environment", None)
+    if (fabric.device.type == "cpu" and environment is not None and not environment.creates_processes_externally
+            and not launched_by_cli()):
+        per_node, cores = fabric.world_size // settings["num_nodes"], len(os.sched_getaffinity(0))
+        if per_node > cores:
+            raise UserError(f"--devices {settings['devices']}: {per_node} CPU processes on {cores} cores would crawl; "
+                            f"use --devices {cores} or fewer (or a GPU)")
     if deepspeed:
         configure_deepspeed(fabric.strategy, grad_clip)
     return fabric
@@ -165,19 +171,6 @@ def count_processes(settings: dict) -> int:
     devices_of = type(ACCELERATOR_REGISTRY.get(accelerator))
     devices = devices_of.auto_device_count() if settings["devices"] == "auto" else settings["devices"]
     return settings["num_nodes"] * len(devices_of.get_parallel_devices(devices_of.parse_devices(devices)))
-
-
-def check_cpu_processes(fabric: Fabric, settings: dict) -> None:
-    """CPU processes beyond the cores this script may use each train with their own threads: the job would crawl. A
-    launcher that starts the processes itself (torchrun, SLURM) has placed them already."""
-    environment = getattr(fabric.strategy, "cluster_environment", None)
-    starts_them = environment is not None and not environment.creates_processes_externally and not launched_by_cli()
-    if fabric.device.type != "cpu" or not starts_them:
-        return
-    per_node, cores = fabric.world_size // settings["num_nodes"], len(os.sched_getaffinity(0))
-    if per_node > cores:
-        raise UserError(f"--devices {settings['devices']}: {per_node} CPU processes on {cores} cores would crawl; "
-                        f"use --devices {cores} or fewer (or a GPU)")
 
 
 def check_precision_supported(precision: str, built: str, device: torch.device) -> None:

@@ -1,7 +1,6 @@
-"""Batches of map-style datasets on any number of processes, grouped or sorted by each row's size (if the task gives
-sizes) so padding stays small. Training: every row once per epoch, on one rank. Evaluation: every row scored exactly
-once; all ranks run as many batches (sharded strategies need every rank in every forward), so a rank one row short
-repeats one, which ``EvalBatchSampler.num_real`` lets the loop ignore."""
+"""Batches of map-style datasets on any number of processes, grouped or sorted by row size so padding stays small.
+Training sees every row once per epoch, on one rank; evaluation scores every row once, a rank one row short repeating
+one (``EvalBatchSampler.num_real``), as sharded strategies need every rank in every forward."""
 
 import math
 from collections.abc import Callable, Sequence
@@ -13,9 +12,8 @@ from fabric_utils.preemption import ignore_sigterm_in_worker
 
 
 class TrainBatchSampler(Sampler[list[int]]):
-    """This rank's batches of one epoch, deterministic in (seed, epoch) so a resume can skip ahead. The order depends
-    on the rows per optimizer step, not on how ranks and micro-batches split them: a run resumes on another number of
-    devices with the same steps (but where rows do not divide among ranks, the last repeats some to share evenly)."""
+    """This rank's batches of one epoch, deterministic in (seed, epoch) so a resume can skip ahead, and in the rows per
+    optimizer step alone, so a run resumes on another number of devices with the same steps."""
 
     def __init__(self, lengths, batch_size, num_replicas=1, rank=0, seed=0, group_by_length=True, grad_accum=1):
         self.lengths = list(lengths)

@@ -17,9 +17,9 @@ TRACKER_MODULES = {"mlflow": ("mlflow", "sqlalchemy", "alembic"), "wandb": ("wan
 TRACKER_IDS_FILE = "trackers.json"
 
 
-def make_loggers(names: str, out_dir: Path, project: str, resume_ids: dict | None = None) -> list:
-    """The CSV logger (a new ``logs/version_N`` per start) and those in ``names``; ``resume_ids`` continue the tracked
-    runs. Trackers exist on rank 0 only: MLflow creates its store when built, which every process would race for."""
+def make_loggers(names: str, out_dir: Path, project: str, resume: bool = False) -> list:
+    """The CSV logger (a new ``logs/version_N`` per start) and those in ``names``; a ``resume`` continues the tracked
+    runs whose ids ``save_tracker_ids`` kept. Trackers exist on rank 0 only: MLflow creates its store when built."""
     names = set(names.split(","))
     trackers = [name for name in TRACKER_MODULES if name in names]
     for name in trackers:  # before any logger exists, so a missing package leaves nothing behind
@@ -32,8 +32,10 @@ def make_loggers(names: str, out_dir: Path, project: str, resume_ids: dict | Non
     if "tensorboard" in names:
         loggers.append(TensorBoardLogger(out_dir, name="tensorboard"))
     if rank_zero_only.rank == 0:  # known from the launcher's environment before Fabric starts the processes
+        ids_file = out_dir / TRACKER_IDS_FILE
+        ids = json.loads(ids_file.read_text()) if resume and ids_file.is_file() else {}
         make = {"mlflow": _mlflow_logger, "wandb": _wandb_logger}
-        loggers += [make[name](out_dir, project, (resume_ids or {}).get(name)) for name in trackers]
+        loggers += [make[name](out_dir, project, ids.get(name)) for name in trackers]
     return loggers
 
 
@@ -62,7 +64,7 @@ def _wandb_logger(out_dir: Path, project: str, run_id: str | None):
 
 def save_tracker_ids(fabric, out_dir: Path) -> None:
     """Starts the tracked runs and keeps their ids in the run folder, not the checkpoint: Fabric takes its loggers when
-    built, so a resume needs them (``saved_tracker_ids``) before any checkpoint can be read."""
+    built, so a resume needs them (``make_loggers``) before any checkpoint can be read."""
     if fabric.is_global_zero:  # the one process with trackers
         ids = {}
         for logger in fabric.loggers:  # each id starts its run
@@ -72,11 +74,6 @@ def save_tracker_ids(fabric, out_dir: Path) -> None:
                 ids["wandb"] = logger.experiment.id
         if ids:
             (out_dir / TRACKER_IDS_FILE).write_text(json.dumps(ids))
-
-
-def saved_tracker_ids(out_dir: Path) -> dict:
-    path = out_dir / TRACKER_IDS_FILE
-    return json.loads(path.read_text()) if path.is_file() else {}
 
 
 def finalize_loggers(loggers: list, status: str = "success") -> None:

@@ -36,14 +36,11 @@ def count_parameters(model) -> dict:
             "total_params": sum(size for size, _ in sizes)}
 
 
-def count_warmup_steps(warmup: float, max_steps: int) -> int:
-    """A fraction of all steps below 1 (rounded up, as transformers does), else a step count."""
-    return math.ceil(warmup * max_steps) if warmup < 1 else int(warmup)
-
-
-def build_scheduler(optimizer, name: str, lr: float, max_steps: int, warmup_steps: int, min_lr_rate: float = 0.0):
-    """transformers' schedules: linear warm-up from 0, then linear, cosine or no decay, down to ``min_lr_rate`` x the
-    peak; ``one-cycle`` is PyTorch's OneCycleLR with the warm-up as its rising phase."""
+def build_scheduler(optimizer, name: str, lr: float, max_steps: int, warmup: float, min_lr_rate: float = 0.0):
+    """transformers' schedules: linear warm-up from 0 (``warmup``: a fraction of all steps if below 1, rounded up as
+    transformers does, else a step count), then linear, cosine or no decay, down to ``min_lr_rate`` x the peak;
+    ``one-cycle`` is PyTorch's OneCycleLR with the warm-up as its rising phase."""
+    warmup_steps = math.ceil(warmup * max_steps) if warmup < 1 else int(warmup)
     if name == "one-cycle":
         return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=lr, total_steps=max_steps,
                                                    pct_start=max(warmup_steps, 1) / max_steps)

@@ -1,7 +1,6 @@
 """Stop cleanly on SIGTERM / SIGUSR1 (what SLURM and Kubernetes send before a kill) and on Ctrl-C: every rank finishes
-its step and saves a checkpoint, then the job exits ``EXIT_PREEMPTED`` for a wrapper to requeue. A second Ctrl-C stops
-at once; a signal once the loop has ended is noted and the run finishes. Both ways out end every rank in one order
-(workers, barrier, process group, exit): left to interpreter teardown, a rank can abort in C++, 75 becoming 134."""
+its step and saves a checkpoint, then the job exits ``EXIT_PREEMPTED`` for a wrapper to requeue; a second Ctrl-C stops
+at once. Every rank ends in one order (workers, barrier, process group), as teardown alone can abort in C++."""
 
 import os
 import signal
@@ -69,7 +68,9 @@ class Preemption:
         a wrapper knows even if a rank then fails. A rank that Lightning's launcher started waits (at most 30 s) for
         it to exit first: the launcher SIGKILLs itself when a child exits non-zero, turning its own 75 into -9."""
         if fabric.is_global_zero:
-            write_atomically(out_dir / STATUS_FILE, f"preempted at step {step}, checkpoint {checkpoint}\n")
+            tmp = out_dir / f".tmp-{STATUS_FILE}"
+            tmp.write_text(f"preempted at step {step}, checkpoint {checkpoint}\n")
+            os.replace(tmp, out_dir / STATUS_FILE)  # a reader sees the whole file or none
         self.close(fabric, loaders)
         strategy = fabric.strategy
         if (fabric.local_rank > 0 and isinstance(getattr(strategy, "launcher", None), _SubprocessScriptLauncher)
@@ -96,10 +97,3 @@ def ignore_sigterm_in_worker(worker_id: int) -> None:
     """A ``worker_init_fn``: SLURM signals loader workers too, and one that died of it would fail the rank ("DataLoader
     worker exited unexpectedly") before its checkpoint. The rank stops its workers itself."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-
-
-def write_atomically(path: Path, text: str) -> None:
-    tmp = path.with_name(f".tmp-{path.name}")
-    tmp.write_text(text)
-    os.replace(tmp, path)  # a reader sees the whole file or none
-

@@ -1,8 +1,6 @@
-"""A model bigger than one device, under fsdp, fsdp2 and deepspeed_stage_3: every rank builds the task's skeleton
-(``TaskSpec.build_skeleton``) sharded and empty, rank 0 alone the pretrained model (``TaskSpec.build_model``, its file
-memory-mapped), whose values go straight into each rank's shards: no rank holds the whole model. Under ddp, one device,
-ZeRO-1/2 or without a skeleton, every rank holds the whole model anyway and builds it from the pretrained file.
-"""
+"""A model bigger than one device: under fsdp, fsdp2 and deepspeed_stage_3 every rank builds the task's skeleton sharded
+and empty, and rank 0 alone the pretrained model, whose values go straight into each rank's shards; elsewhere every rank
+holds the whole model anyway and builds it from the pretrained file."""
 
 from typing import Callable
 from unittest import mock
@@ -20,9 +18,8 @@ from fabric_utils.sharding import materialize, unwrapped_name
 def build_model(fabric, build: Callable[[], nn.Module], build_skeleton: Callable[[], nn.Module] | None,
                 pretrained: bool) -> tuple[nn.Module, Callable[[], nn.Module] | None]:
     """The model to set up, and what ``load_pretrained`` loads into it once sharded: rank 0's pretrained builder, or
-    None where the model holds its values already (built whole, or ZeRO-3's partitions, filled here) or a resume's
-    checkpoint restores them (no pretrained file read: every rank builds the skeleton, with memory and no values).
-    Under every build the pretrained model (fresh head, adapters) and then training draw the same random numbers."""
+    None where the model has its values (built whole, ZeRO-3's partitions filled here) or a resume's checkpoint will.
+    Every way, the pretrained model (fresh head, adapters) and then training draw the same random numbers."""
     rng = torch.random.get_rng_state()
 
     def source() -> nn.Module:
@@ -66,8 +63,7 @@ def parameters_on_meta():
 
 
 def load_pretrained(fabric, model, source: Callable[[], nn.Module]) -> None:
-    """The pretrained values into the set-up fsdp or fsdp2 ``model``'s shards, from rank 0; under fsdp2 its state dict
-    broadcast one tensor at a time, each rank keeping its shard in the shard's dtype (fp32, not the file's)."""
+    """The pretrained values from rank 0 into the set-up fsdp or fsdp2 ``model``'s shards, in the shards' dtype."""
     module = model._forward_module  # under fsdp the root unit, which must gather first
     found = source() if fabric.global_rank == 0 else None
     if isinstance(fabric.strategy, ModelParallelStrategy):

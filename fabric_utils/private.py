@@ -15,10 +15,6 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 # a loader's worker processes, which a DataLoader has no public way to shut down (stop_workers)
 from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 
-__all__ = ["_BackwardSyncControl", "_SubprocessScriptLauncher", "_load_distributed_checkpoint", "_unwrap_compiled",
-           "CheckpointWrapper", "apply_activation_checkpointing", "checkpoint_wrapper", "set_backward_sync_control",
-           "stop_workers"]
-
 
 def set_backward_sync_control(strategy, control: _BackwardSyncControl) -> None:
     """What ``fabric.no_backward_sync`` calls for this strategy: Fabric reads it from this attribute only."""

@@ -22,10 +22,9 @@ LOCK_FILE = ".lock"
 
 
 def prepare_out_dir(out_dir: str | None, resume: str | None) -> tuple[Path, bool]:
-    """The run folder this process proposes, and whether a failed start may remove it: ``--out-dir``, made now so a
-    bad one fails before any process starts, else ``runs/<time>``, made once the job agrees on rank 0's (nodes start
-    seconds apart), in the environment so the processes Fabric starts propose the same. A folder holding a run takes
-    only ``--resume``: two runs' files would mix."""
+    """The run folder this process proposes, and whether a failed start may remove it: ``--out-dir``, made now so a bad
+    one fails before any process starts, else ``runs/<time>`` (in the environment, for the processes Fabric starts),
+    made once the job agrees on rank 0's. A folder holding a run takes only ``--resume``: two runs' files would mix."""
     if out_dir is None:
         path = Path(os.environ.setdefault(RUN_DIR_ENV, f"runs/{datetime.now():%Y%m%d-%H%M%S}"))
         check_writable(path.parent)

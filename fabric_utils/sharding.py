@@ -1,8 +1,6 @@
-"""Sharded training: a model's repeated blocks are the units FSDP (``--strategy fsdp``) and FSDP2 (``fsdp2``) gather
-and free one at a time, and whose activations ``--grad-checkpointing`` recomputes (one unit for the whole model would
-gather every weight at once: no memory saved over DDP, no communication overlapped with compute). A block is a class
-the model names in ``_no_split_modules``, as Hugging Face models do; ``declare_blocks`` sets them from TaskSpec.blocks.
-"""
+"""Sharded training: a model's repeated blocks (the classes in its ``_no_split_modules``, as in Hugging Face models) are
+the units FSDP and FSDP2 gather one at a time and ``--grad-checkpointing`` recomputes: one unit for the whole model
+would gather every weight at once, saving no memory over DDP."""
 
 from typing import Callable
 
@@ -16,17 +14,13 @@ from fabric_utils.errors import UserError
 from fabric_utils.private import CheckpointWrapper, _unwrap_compiled, apply_activation_checkpointing, checkpoint_wrapper
 
 
-def find_block_classes(model: nn.Module) -> tuple[type, ...]:
-    """The classes the model names in ``_no_split_modules``, else those of the modules in its ``ModuleList``s
-    (DistilBERT names none, but keeps its layers in one); none for a model without either."""
-    if names := set(getattr(model, "_no_split_modules", None) or ()):
-        return tuple({type(module) for module in model.modules() if type(module).__name__ in names})
-    return tuple({type(block) for blocks in model.modules() if isinstance(blocks, nn.ModuleList) for block in blocks})
-
-
-def block_classes(model: nn.Module) -> tuple[type, ...]:
-    """``find_block_classes``, for the strategies that cannot run without them."""
-    if not (found := find_block_classes(model)):
+def block_classes(model: nn.Module, required: bool = True) -> tuple[type, ...]:
+    """The classes the model names in ``_no_split_modules``, else those in its ``ModuleList``s (DistilBERT names none);
+    finding none is a ``UserError`` where ``required`` (FSDP, FSDP2 and recomputing cannot run without them)."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    found = tuple({type(module) for module in model.modules() if type(module).__name__ in names} if names else
+                  {type(block) for blocks in model.modules() if isinstance(blocks, nn.ModuleList) for block in blocks})
+    if required and not found:
         raise UserError(f"cannot find the repeated blocks of {type(model).__name__} to shard or recompute one by "
                         f"one: the task names them in its TaskSpec's blocks; or use --strategy ddp")
     return found
@@ -107,10 +101,9 @@ def materialize_unit(module: nn.Module) -> None:
 
 
 def gather_one_block_at_a_time(zero_config: dict, model: nn.Module) -> None:
-    """ZeRO-3 keeps gathered a weight used again within ``stage3_max_reuse_distance`` parameters (1e9 by default: a
-    whole model under a billion, as much as a ddp rank holds) and reduces in 2e8-element buckets; sized to the largest
-    block instead (largest leaf module without blocks), a rank holds about the block it computes and the next one."""
-    blocks = find_block_classes(model)
+    """ZeRO-3's reuse distance, prefetch and buckets sized to the largest block (else leaf module): by default it keeps
+    gathered any weight reused within 1e9 parameters, a whole smaller model, as much as a ddp rank holds."""
+    blocks = block_classes(model, required=False)
     units = [module for module in model.modules()
              if isinstance(module, blocks) or (not blocks and next(module.children(), None) is None)]
     block = max(sum(full_shape(param).numel() for param in unit.parameters()) for unit in units)
@@ -133,11 +126,10 @@ def full_shape(param: nn.Parameter) -> torch.Size:
 
 def setup_model_and_optimizer(fabric, model: nn.Module,
                               make_optimizer: Callable[[nn.Module, dict[str, torch.Size]], Optimizer]):
-    """Fabric step 3: the set-up model and optimizer, and the plain torch optimizer inside, which the schedule drives
-    (DeepSpeed's wrapper is no torch Optimizer). ``make_optimizer(module, shapes)`` builds on the set-up model, which
-    FSDP shards first, and gets each parameter's shape from before set-up by name (FSDP1 flattens them into shards).
-    Weights become fp32 (what mixed precision must update) before set-up, but FSDP2 casts each rank's shards after
-    sharding and DeepSpeed in 16 bits makes its fp32 master weights itself: neither puts a whole fp32 copy on a rank."""
+    """Fabric step 3: the set-up model and optimizer, and the torch optimizer inside for the schedule (DeepSpeed's
+    wrapper is none). ``make_optimizer(module, shapes)`` builds on the set-up model, FSDP's shards, with the shapes from
+    before set-up (FSDP1 flattens them). Weights become fp32 for mixed precision to update, but never whole on a rank:
+    FSDP2 casts its shards, DeepSpeed in 16 bits makes its own fp32 master weights."""
     is_deepspeed = isinstance(fabric.strategy, DeepSpeedStrategy)
     sharded_after = isinstance(fabric.strategy, ModelParallelStrategy)
     if not (sharded_after or is_deepspeed and fabric.strategy.precision.precision != "32-true"):

@@ -14,13 +14,6 @@ import torch
 from lightning.fabric.utilities.throughput import ThroughputMonitor, measure_flops
 
 
-def configure_backends(device: torch.device) -> None:
-    """TF32 matrix products and cuDNN autotuning: free speed on Ampere+ GPUs, meaningless elsewhere."""
-    if device.type == "cuda":
-        torch.set_float32_matmul_precision("high")
-        torch.backends.cudnn.benchmark = True
-
-
 def default_num_workers(fabric) -> int:
     """Workers only collate (tokenization is done ahead): none on a CPU device, whose cores the model uses; on GPUs up
     to 4, from the CPUs this process may run on (its affinity), shared with this node's processes, one left to each."""
@@ -44,9 +37,8 @@ def processes_sharing(fabric, cpus: set[int]) -> int:
 
 def training_flops_fn(model: torch.nn.Module, step_loss: Callable[[torch.nn.Module, int | None], torch.Tensor],
                       max_size: int | None) -> Callable[[int, int, int], float]:
-    """``flops(rows, sizes, sizes_sq)``: forward and backward over ``rows`` rows, their sizes (real tokens) and squared
-    sizes summed. ``step_loss(model, size)`` (size None: rows without sizes) is counted on a meta copy at three sizes,
-    which a quadratic (linear layers + attention) fits exactly: the loop keeps three sums on the device, no copies."""
+    """``flops(rows, sizes, sizes_sq)``: forward and backward FLOPs from the rows' count, sizes and squared sizes, a
+    quadratic (linear layers + attention) fitted to ``step_loss(model, size)`` counted on a meta copy at three sizes."""
     meta_model = meta_copy(model)
     if max_size is None:
         per_row = measure_flops(meta_model, lambda: step_loss(meta_model, None), lambda loss: loss)
@@ -69,9 +61,8 @@ def meta_copy(module: torch.nn.Module) -> torch.nn.Module:
 
 
 class Throughput:
-    """Rows, sizes and FLOPs counted on the device, read only at log steps, for ``ThroughputMonitor`` and ``stop()``.
-    The clock runs from ``start`` (a resume) and leaves out ``paused()`` time (validation, checkpoints), so figures
-    compare across validation settings."""
+    """Rows, sizes and FLOPs counted on the device, read only at log steps, for ``ThroughputMonitor`` and ``stop()``;
+    the clock leaves out ``paused()`` time (validation, checkpoints), so figures compare across validation settings."""
 
     def __init__(self, fabric, peak_tflops: float | None, flops_of: Callable[[int, int, int], float], sized: bool):
         self.fabric, self.flops_of, self.sized = fabric, flops_of, sized
@@ -121,12 +112,6 @@ class Throughput:
         return {"train_time_s": seconds, "train_samples_per_s": rows / seconds,
                 **({"train_tokens_per_s": tokens / seconds} if self.sized else {}),
                 "mfu": flops / seconds / (peak * self.fabric.world_size) if peak else None}
-
-
-def compile_model(model: torch.nn.Module, mode: str) -> torch.nn.Module:
-    """An ``OptimizedModule``, which ``fabric.setup`` recompiles around the strategy's wrapper (DDP's all-reduce then
-    overlaps backward); ``dynamic``: one graph for every padded length, not a recompile per length."""
-    return torch.compile(model, mode=mode, dynamic=True)
 
 
 def warm_up(fabric, model, optimizer, batch: dict, loss_fn: Callable[[torch.nn.Module, dict], torch.Tensor]) -> None:

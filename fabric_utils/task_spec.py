@@ -1,22 +1,16 @@
 """The contract between the loop (``train.py``) and a task (``task.py``): what the loop needs to know about a task,
 and nothing about how the task does it. A task module provides:
 
-- ``add_args(parser)``: its data and model flags; it may ``parser.set_defaults(...)`` loop flags (``lr``, ``epochs``,
-  ...) to its own values, which ``--help`` shows and ``--config`` or the command line still override.
-- ``TEST_FLAGS``: its flags for a small offline run that learns in about a minute on two CPU cores (``tests/infra``
-  train whatever ``task.py`` is with them).
-- ``setup(args, verbose) -> TaskSpec``: on every rank, local rank 0 of each node first (it may cache what it prepares
-  for the others); ``verbose``: progress bars wanted (first rank, a terminal or ``--verbose``, not ``--quiet``). It
-  leaves ``args`` as parsed, and returns what it decides for flags left to it in ``TaskSpec.chosen``.
-- ``PRESETS`` (optional; default none): ``{task flag: {loop flag: default}}``, defaults a task flag brings when set
-  (a larger rate for adapters, say); ``--config`` and the command line win over them.
-- ``predict(folder, file, flags, batch_size)`` (optional; without it ``predict.py`` refuses): for each row of
-  ``file``, read as the run (``flags``: its config.yaml) read its data, the exported model's (``folder``)
-  ``Objective.predict`` columns and a ``"row"`` index.
+- ``add_args(parser)``: its data and model flags; it may ``parser.set_defaults(...)`` loop flags to its own values.
+- ``TEST_FLAGS``: its flags for a small offline run that learns in about a minute on two CPU cores (``tests/infra``).
+- ``setup(args, verbose) -> TaskSpec``: on every rank, local rank 0 of each node first (it may cache for the others);
+  ``verbose``: progress bars wanted. It leaves ``args`` as parsed and returns what it decides in ``TaskSpec.chosen``.
+- ``PRESETS`` (optional): ``{task flag: {loop flag: default}}``, defaults a task flag brings when set.
+- ``predict(folder, file, flags, batch_size)`` (optional, for ``predict.py``): for each row of ``file``, read as the
+  run (``flags``: its config.yaml) read its data, the exported model's ``Objective.predict`` columns and a ``"row"``.
 
-``build_skeleton`` (a model bigger than one device): under fsdp, fsdp2 and deepspeed_stage_3 every rank builds it
-already sharded, so it must neither read nor initialize its parameters (its buffers are kept as it makes them), and
-rank 0's ``build_model`` fills the shards by name (fabric_utils/pretrained.py); a resume fills them from the checkpoint.
+``build_skeleton``, for a model bigger than one device, is built already sharded under fsdp, fsdp2 and ZeRO-3: it must
+neither read nor initialize its parameters, as rank 0's ``build_model`` (or a resume's checkpoint) fills them by name.
 """
 
 from __future__ import annotations  # the types below are only named: task.py imports this before torch loads

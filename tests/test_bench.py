@@ -40,7 +40,7 @@ def test_hf_trainer_schedules_as_train_py_does(name):
                             num_warmup_steps=warmup, num_training_steps=steps,
                             scheduler_specific_kwargs=kwargs(lr, min_lr_rate))
     ours = build_scheduler(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr), name, lr=lr,
-                           max_steps=steps, warmup_steps=warmup, min_lr_rate=min_lr_rate)
+                           max_steps=steps, warmup=warmup, min_lr_rate=min_lr_rate)
     for _ in range(steps):
         assert ours.get_last_lr() == pytest.approx(trainer.get_last_lr(), abs=1e-12)
         for scheduler in (ours, trainer):

@@ -19,7 +19,7 @@ from transformers import PreTrainedTokenizerFast
 
 from conftest import REPO, build_fabric_from_flags, subprocess_env
 from data.demo import LABELS, prepare_demo
-from fabric_utils.speed import Throughput, compile_model, default_num_workers
+from fabric_utils.speed import Throughput, default_num_workers
 from task import build_model, load_tokenizer
 
 DEMO_ROOT = Path.home() / ".cache" / "fabric-template" / "demo"  # where train.py --demo writes it
@@ -33,8 +33,8 @@ def test_compile_is_applied_around_the_ddp_wrapper(monkeypatch):
     fabric = build_fabric_from_flags("--accelerator", "cpu", "--devices", "1", "--strategy", "ddp")
     fabric.launch()
     try:
-        module = fabric.setup(compile_model(build_model(str(model_dir), LABELS, "single_label", attention_dropout=0.0,
-                                                        hidden_dropout=None), mode="default"))
+        model = build_model(str(model_dir), LABELS, "single_label", attention_dropout=0.0, hidden_dropout=None)
+        module = fabric.setup(torch.compile(model, mode="default", dynamic=True))  # as train.py compiles
     finally:
         torch.distributed.destroy_process_group()
     compiled = module._forward_module

@@ -14,7 +14,7 @@ import pytest
 
 from cluster import Cluster, Slurm
 from conftest import REPO, Job, resumed_step, subprocess_env
-from fabric_utils.preemption import STATUS_FILE, write_atomically
+from fabric_utils.preemption import STATUS_FILE
 from test_resilience import COMPARED, TINY
 
 
@@ -29,7 +29,7 @@ from test_resilience import COMPARED, TINY
 ])
 def test_requeue_decision(tmp_path, status, status_file, requeue):
     if status_file:
-        write_atomically(tmp_path / STATUS_FILE, f"preempted at step 80, checkpoint {tmp_path}/step-000080\n")
+        (tmp_path / STATUS_FILE).write_text(f"preempted at step 80, checkpoint {tmp_path}/step-000080\n")
     decided = subprocess.run(["bash", "scripts/requeue.sh", str(status), str(tmp_path)], cwd=REPO)
     assert decided.returncode == (0 if requeue else 1)
 

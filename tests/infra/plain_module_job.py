@@ -64,7 +64,7 @@ def main():
     model, optimizer, _ = setup_model_and_optimizer(
         fabric, model, lambda m, shapes: build_optimizer(m, name="adamw", lr=3e-2, weight_decay=0.01,
                                                          device=fabric.device, shapes=shapes))
-    scheduler = build_scheduler(optimizer, "linear", lr=3e-2, max_steps=args.steps, warmup_steps=2)
+    scheduler = build_scheduler(optimizer, "linear", lr=3e-2, max_steps=args.steps, warmup=2)
     state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "step": 0,
              "fingerprint": {"job": "plain"}}
     ckpt_dir = args.out_dir / "checkpoints"

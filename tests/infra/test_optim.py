@@ -15,7 +15,7 @@ from fabric_utils.optim import build_optimizer, build_scheduler
 @pytest.mark.parametrize("warmup", [0, 7])
 def test_schedules_match_transformers(name, theirs, min_lr_rate, warmup):
     ours = build_scheduler(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=2.0), name, lr=2.0,
-                           max_steps=50, warmup_steps=warmup, min_lr_rate=min_lr_rate)
+                           max_steps=50, warmup=warmup, min_lr_rate=min_lr_rate)
     reference = get_scheduler(theirs, torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=2.0),
                               num_warmup_steps=warmup, num_training_steps=50,
                               scheduler_specific_kwargs={"cosine_with_min_lr": {"min_lr_rate": min_lr_rate},
