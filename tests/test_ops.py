@@ -19,7 +19,10 @@ from transformers import PreTrainedTokenizerFast
 
 from conftest import REPO, build_fabric_from_flags, subprocess_env
 from data.demo import LABELS, prepare_demo
+from fabric_utils.args import with_values
 from fabric_utils.speed import Throughput, default_num_workers
+import task
+import train
 from task import build_model, load_tokenizer
 
 DEMO_ROOT = Path.home() / ".cache" / "fabric-template" / "demo"  # where train.py --demo writes it
@@ -29,12 +32,13 @@ def test_compile_is_applied_around_the_ddp_wrapper(monkeypatch):
     """--compile hands Fabric a compiled module; fabric.setup wraps the original in DDP and compiles the wrapper."""
     for name in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)  # a one-process DDP launch sets them here: undone after the test
-    _, model_dir = prepare_demo(DEMO_ROOT)
-    fabric = build_fabric_from_flags("--accelerator", "cpu", "--devices", "1", "--strategy", "ddp")
+    launch = ("--accelerator", "cpu", "--devices", "1", "--strategy", "ddp")
+    args = train.parse_args(["--demo", "--compile", *launch])
+    fabric = build_fabric_from_flags(*launch)
     fabric.launch()
     try:
-        model = build_model(str(model_dir), LABELS, "single_label", attention_dropout=0.0, hidden_dropout=None)
-        module = fabric.setup(torch.compile(model, mode="default", dynamic=True))  # as train.py compiles
+        spec = task.setup(args, verbose=False)
+        module = train.build(fabric, with_values(args, spec.chosen), spec, pretrained=True)[0]  # as --compile builds
     finally:
         torch.distributed.destroy_process_group()
     compiled = module._forward_module
