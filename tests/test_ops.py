@@ -7,7 +7,6 @@ import re
 import subprocess
 import sys
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import pandas as pd
@@ -22,10 +21,8 @@ from data.demo import LABELS, prepare_demo
 from fabric_utils.args import with_values
 from fabric_utils.speed import Throughput, default_num_workers
 import task
-import train
 from task import build_model, load_tokenizer
-
-DEMO_ROOT = Path.home() / ".cache" / "fabric-template" / "demo"  # where train.py --demo writes it
+import train
 
 
 def test_compile_is_applied_around_the_ddp_wrapper(monkeypatch):
