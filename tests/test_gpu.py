@@ -1,5 +1,7 @@
 """What only a CUDA GPU can show: fp16 with loss scaling, real DeepSpeed kernels, NCCL. Skipped without CUDA."""
 
+import csv
+
 import pytest
 import torch
 
@@ -39,3 +41,22 @@ def test_ddp_over_nccl(tmp_path):
 def test_compile_on_gpu(tmp_path):
     results = train(["--accelerator", "cuda", "--devices", "1", "--compile", *SMALL_DEMO], tmp_path)
     assert results["test_examples"] == 201
+
+
+def seconds_per_step_after_the_first(out_dir) -> float:
+    with open(out_dir / "logs" / "version_0" / "metrics.csv") as f:
+        clock = {int(r["step"]): float(r["time"]) for r in csv.DictReader(f) if r.get("time")}
+    first, last = min(clock), max(clock)
+    return (clock[last] - clock[first]) / (last - first)
+
+
+def test_bf16_on_length_grouped_batches_keeps_pace_with_fp32(tmp_path):
+    # nearly every length-grouped batch has a new shape: an attention kernel that plans per shape (cuDNN's, on Hopper)
+    # made each bf16-mixed step several times slower than fp32's
+    flags = ["--accelerator", "cuda", "--devices", "1", "--demo", "--train-size", "1500", "--val-size", "64",
+             "--test-size", "64", "--max-length", "256", "--batch-size", "32", "--log-every", "1", "--quiet"]
+    per_step = {}
+    for precision in ("32-true", "bf16-mixed"):
+        train([*flags, "--precision", precision], tmp_path / precision)
+        per_step[precision] = seconds_per_step_after_the_first(tmp_path / precision)
+    assert per_step["bf16-mixed"] < 2.5 * per_step["32-true"], per_step

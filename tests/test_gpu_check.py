@@ -27,6 +27,7 @@ def test_the_dry_run_writes_every_row_measured_or_skipped_with_a_reason(tmp_path
     for row in measured.values():
         assert row["results"]["train_samples_per_s"] > 0 and 0 <= row["results"]["test_acc"] <= 1
     assert measured["ddp"]["results"]["world_size"] == 2
+    assert measured["32-true"]["steady_samples_per_s"] > 0  # the one-GPU rows' rate without the first step
     assert measured["16-mixed"]["results"]["precision"] == "16-mixed"  # the CPU shim's real fp16, not bf16
     assert any("steps skipped by the loss scaler" in note for note in measured["16-mixed"]["notes"])
     assert any("losses within" in note for note in measured["bf16-mixed"]["notes"])

@@ -225,3 +225,12 @@ def test_the_time_to_accuracy_tables_accuracies_are_the_reports():
     stated = re.findall(r"\d\.\d{3} ± \d\.\d{3}", section)
     assert len(reports) == 2 and len(stated) >= 8
     assert set(stated) - known == set()
+
+
+def test_the_gpu_speed_figures_are_the_reports():
+    """docs/speed.md's "On one GPU": the bf16-mixed training times and their ratio, as the report's printed lines."""
+    report = (REPO / "docs" / "studies" / "gpu_check_h100.md").read_text()
+    seconds = dict(re.findall(r"RESULT /tmp/r/bf16-cudnn-(on|off): steps \d+, train ([\d.]+) s", report))
+    section = " ".join((REPO / "docs" / "speed.md").read_text().split("## On one GPU")[1].split("\n## ")[0].split())
+    ratio = float(seconds["on"]) / float(seconds["off"])
+    assert f"{ratio:.2f}x faster** ({seconds['on']} s to {seconds['off']} s)" in section
