@@ -20,7 +20,8 @@ Rows:
   rows per step split over the GPUs: each should reach the one-GPU bf16-mixed row's test accuracy (within 0.02),
   with throughput and memory per GPU.
 The one-GPU rows log every step (a host sync per step), for the loss comparison and for the steady rate: samples/s
-over the last 5 steps, without the first step's set-up that a short run's own average is mostly made of.
+over the last few steps (ThroughputMonitor's window), without the first step's set-up that a short run's own average is
+mostly made of.
 ``--dry-run`` runs the CUDA-only paths through the tests' CPU shims (tests/shims: DeepSpeed, fp16) on CPU processes.
 """
 
@@ -344,8 +345,9 @@ def table(rows: list[Row], env: dict, dry_run: bool) -> str:
         if row.section != section:
             section = row.section
             lines += ["", f"## {section}", "",
-                      "| row | status | samples/s | samples/s, last steps | tokens/s | MFU | peak memory (GB, max rank) | "
-                      "test acc | batch | seconds | notes |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+                      "| row | status | samples/s | samples/s, last steps | tokens/s | MFU | "
+                      "peak memory (GB, max rank) | test acc | batch | seconds | notes |",
+                      "|---|---|---|---|---|---|---|---|---|---|---|"]
         r = row.results
         peak = max(r["peak_memory_mb_per_rank"]) / 1024 if r.get("peak_memory_mb_per_rank") else None
         status = row.status if row.ok or row.status == "skipped" else f"**{row.status}** (expected: {row.expect})"
