@@ -208,15 +208,19 @@ def task_table(task: str, names: list[str], results: dict[str, list[dict]], sarg
         group = {n: results[n] for n in names if peer(n) == group_peer}
         text, _ = study.summarise(f"peer {group_peer}", group, group_peer)
         parts.append(text)
-    lines = [f"| configuration | {sargs.metric} per draw | draws at chance (<= {CHANCE[task] + CHANCE_MARGIN:.2f}) "
-             "| draws with the stuck line |", "|---|---|---|---|"]
+    lines = [f"| configuration | peak lr | {sargs.metric} per draw | draws at chance "
+             f"(<= {CHANCE[task] + CHANCE_MARGIN:.2f}) | draws with the stuck line |", "|---|---|---|---|---|"]
     for name in names:
         ok = [r for r in results[name] if "failed" not in r]
         values = [r["test_acc"] for r in ok]
         at_chance = sum(v <= CHANCE[task] + CHANCE_MARGIN for v in values)
         logged = [r["stuck"] for r in ok if r.get("stuck") is not None]
         stuck = "—" if study.runs_hf_trainer(name) else f"{sum(logged)}/{len(logged)}"  # the Trainer has no such line
-        lines.append(f"| {name} | {', '.join(f'{v:.3f}' for v in values)} | {at_chance}/{len(ok)} | {stuck} |")
+        # as each run resolved it: "default" means another rate once the default changes
+        rates = ", ".join(dict.fromkeys(f"{lr:g}" if lr else "the Trainer's" for lr in
+                                        (r.get("config", {}).get("lr") for r in ok)))
+        lines.append(f"| {name} | {rates} | {', '.join(f'{v:.3f}' for v in values)} | {at_chance}/{len(ok)} "
+                     f"| {stuck} |")
     return "\n\n".join([*parts, "\n".join(lines)])
 
 
