@@ -51,8 +51,7 @@ def seconds_per_step_after_the_first(out_dir) -> float:
 
 
 def test_bf16_on_length_grouped_batches_keeps_pace_with_fp32(tmp_path):
-    # nearly every length-grouped batch has a new shape: an attention kernel that plans per shape (cuDNN's, on Hopper)
-    # made each bf16-mixed step several times slower than fp32's
+    # nearly every length-grouped batch has a new shape, which an attention kernel that plans per shape pays every step
     flags = ["--accelerator", "cuda", "--devices", "1", "--demo", "--train-size", "1500", "--val-size", "64",
              "--test-size", "64", "--max-length", "256", "--batch-size", "32", "--log-every", "1", "--quiet"]
     per_step = {}
