@@ -256,13 +256,13 @@ def metrics(run: Path) -> list[dict]:
         return list(csv.DictReader(f))
 
 
-def losses(run: Path) -> list[float]:
-    return [float(r["train/loss"]) for r in metrics(run) if r.get("train/loss")][:FIRST_STEPS]
+def losses(logged: list[dict]) -> list[float]:
+    return [float(r["train/loss"]) for r in logged if r.get("train/loss")][:FIRST_STEPS]
 
 
-def steady_rate(run: Path) -> float | None:
+def steady_rate(logged: list[dict]) -> float | None:
     """Samples/s at the last step, over ThroughputMonitor's window of log steps (the global rate under 2+ devices)."""
-    rates = [float(r.get("samples_per_sec") or r["device/samples_per_sec"]) for r in metrics(run)
+    rates = [float(r.get("samples_per_sec") or r["device/samples_per_sec"]) for r in logged
              if r.get("device/samples_per_sec")]
     return rates[-1] if rates else None
 
@@ -303,13 +303,14 @@ def run_row(row: Row, out: Path, env: dict) -> None:
         return
     row.status, row.ok = "measured", row.expect == "finishes"
     row.results = json.loads((run / "results.json").read_text())
-    if "--log-every" in row.flags:
-        row.steady_samples_per_s = steady_rate(run)
-    if row.section == MINILM:  # a step checkpoint at the epoch's end holds the scaler
-        row.first_losses = losses(run)
-        if row.results["precision"] == "16-mixed":
-            row.notes.append(f"{cell(skipped_steps(run, row.results['steps']), 'd')} of {row.results['steps']} "
-                             f"steps skipped by the loss scaler")
+    if "--log-every" in row.flags:  # the one-GPU rows, logged at every step
+        logged = metrics(run)
+        row.steady_samples_per_s = steady_rate(logged)
+        if row.section == MINILM:  # a step checkpoint at the epoch's end holds the scaler
+            row.first_losses = losses(logged)
+            if row.results["precision"] == "16-mixed":
+                row.notes.append(f"{cell(skipped_steps(run, row.results['steps']), 'd')} of {row.results['steps']} "
+                                 f"steps skipped by the loss scaler")
     for bulky in ("checkpoints", "model"):  # a BERT-large run leaves gigabytes
         shutil.rmtree(run / bulky, ignore_errors=True)
 
@@ -377,12 +378,13 @@ def main(argv=None) -> int:
         env["OMP_NUM_THREADS"] = "1"  # two CPU processes share the cores
     started = time.monotonic()
     rows = plan(args, DRY_SIZES if args.dry_run else GPU_SIZES, args.out)
+    machine = environment()
 
     def write_report() -> str:
-        report = {"environment": environment(), "dry_run": args.dry_run, "seconds": time.monotonic() - started,
+        report = {"environment": machine, "dry_run": args.dry_run, "seconds": time.monotonic() - started,
                   "rows": [{k: v for k, v in vars(row).items() if k not in ("env",)} for row in rows]}
         (args.out / "gpu_check.json").write_text(json.dumps(report, indent=2, default=str))
-        markdown = table(rows, report["environment"], args.dry_run)
+        markdown = table(rows, machine, args.dry_run)
         (args.out / "gpu_check.md").write_text(markdown)
         return markdown
 
