@@ -7,8 +7,8 @@ To train something else, replace this file; `train.py` and `fabric_utils/` only 
 - `setup`: the parsed flags -> a `TaskSpec`: tokenized train / validation / test splits (via `data/`), the
   collate function, the model builder (all of it, or LoRA adapters on a frozen model), the `ClassifierObjective`
   (forward, loss and metrics by problem type: single-label, multi-label, regression), the export (a Hugging Face
-  folder that `from_pretrained` loads), each row's tokens (length grouping, tokens/s, MFU), and what it chose for
-  the flags it decides (`--lr` for the model's width unless given, what `auto` detected)
+  folder that `from_pretrained` loads), each row's tokens (length grouping, tokens/s, MFU), `--lr`'s default for
+  the model's width and the run's length, and what it chose for the flags it decides (what `auto` detected)
 
 The libraries (torch, transformers, datasets) are imported inside the functions that use them, so that `--help` and
 a bad flag answer before they load (seconds).
@@ -19,6 +19,7 @@ from __future__ import annotations  # types are only named, never needed before 
 import argparse
 import contextlib
 import copy
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,10 +28,14 @@ from fabric_utils.args import dropout, non_negative_int, positive_float, positiv
 from fabric_utils.errors import UserError
 from fabric_utils.task_spec import TaskSpec
 
-# --lr's default, by the model's width (hidden size), as each entry is the widest model it covers: smaller encoders
-# fine-tune at larger rates. 384 and below: measured on all-MiniLM-L6-v2; up to 768 (base size): the published
+# --lr's default, by the model's width (hidden size), as each entry is the widest model it covers: its peak for a
+# short run, and the lowest peak a longer run falls to. Smaller encoders fine-tune at larger rates. 384 and below:
+# measured on all-MiniLM-L6-v2, down to the Hugging Face Trainer's 5e-5; up to 768 (base size): the published
 # DistilBERT and BERT recipes; wider (large): inside BERT's and RoBERTa-large's fine-tuning grids
-LR_BY_WIDTH = ((384, 1.5e-4), (768, 5e-5), (float("inf"), 2e-5))
+LR_BY_WIDTH = ((384, 1.5e-4, 5e-5), (768, 5e-5, 5e-5), (float("inf"), 2e-5, 2e-5))
+# beyond this many optimizer steps the peak falls as the square root of the run's length: more large steps carry a
+# small model away from its pretrained weights (a harder task then sits at chance)
+SHORT_RUN_STEPS = 40
 # LoRA trains a few small matrices, B from zero: it needs a far larger rate than full fine-tuning, but not so large
 # that a draw stays at chance
 LORA_LR = 2e-3
@@ -77,10 +82,11 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--pad-to-multiple-of", type=positive_int, default=8,
                    help="round each batch's padded length up to a multiple of this (tensor-core friendly)")
 
-    g = parser.add_argument_group("model", "--lr's default follows the model's width (hidden size): "
-                                  + ", ".join(f"{rate(lr)} up to {width}" for width, lr in LR_BY_WIDTH[:-1])
-                                  + f", {rate(LR_BY_WIDTH[-1][1])} wider; {rate(LORA_LR)} with --lora-r, "
-                                    f"{rate(DEMO_LR)} with --demo")
+    g = parser.add_argument_group("model", "--lr's default follows the model's width (hidden size) and the run's "
+                                  "length: " + "; ".join(f"up to {width}: {peaks(short, long)}"
+                                                         for width, short, long in LR_BY_WIDTH[:-1])
+                                  + f"; wider: {peaks(*LR_BY_WIDTH[-1][1:])}; with --lora-r {rate(LORA_LR)}, "
+                                    f"with --demo {rate(DEMO_LR)}")
     g.add_argument("--model", default="distilbert-base-uncased", help="hub id or local folder")
     g.add_argument("--attention-dropout", type=dropout, default=0.0,
                    help="attention-probability dropout, or 'model' for the model's own; 0 skips drawing a random "
@@ -116,9 +122,7 @@ def setup(args: argparse.Namespace, verbose: bool) -> TaskSpec:
                      drop_invalid=args.drop_invalid, text_pair_column=args.text_pair_column)
     # config.yaml and results.json record what the run trained: the demo's data and model, the draw, what auto chose
     chosen = {"dataset": dataset, "model": model, "data_seed": data_seed, "problem_type": data.problem_type}
-    if args.lr is None:
-        chosen["lr"] = learning_rate_for(load_model_config(data.model_source), lora=bool(args.lora_r),
-                                         demo=args.demo)
+    model_config = load_model_config(data.model_source)
     objective = ClassifierObjective(data.problem_type, num_labels=len(data.label_names))
     from data.tokenize import make_collator
 
@@ -143,6 +147,7 @@ def setup(args: argparse.Namespace, verbose: bool) -> TaskSpec:
               "--max-length": args.max_length, "--train-size": args.train_size, "--data-seed": data_seed},
         sizes={name: split["length"] for name, split in data.splits.items()}, row_sizes=row_lengths,
         max_size=args.max_length, notes=data.notes, chance_loss=objective.chance_loss(data.splits["train"]["labels"]),
+        default_lr=lambda steps: learning_rate_for(model_config, steps, lora=bool(args.lora_r), demo=args.demo),
         chosen=chosen)
 
 
@@ -226,15 +231,22 @@ def rate(lr: float) -> str:
     return f"{lr:.1e}".replace(".0e", "e").replace("e-0", "e-")
 
 
-def learning_rate_for(config, lora: bool = False, demo: bool = False) -> float:
-    """--lr's default: LoRA's, the demo's, else the rate for a model of this width (``LR_BY_WIDTH``; the base-size
-    rate if the config names no hidden size)."""
+def peaks(short: float, long: float) -> str:
+    """A width's default peaks as --help writes them."""
+    return rate(short) if short == long else (f"{rate(short)}, x sqrt({SHORT_RUN_STEPS} / steps) beyond "
+                                              f"{SHORT_RUN_STEPS} optimizer steps, at least {rate(long)}")
+
+
+def learning_rate_for(config, steps: int, lora: bool = False, demo: bool = False) -> float:
+    """--lr's default for a run of ``steps`` optimizer steps: LoRA's, the demo's, else the peak for a model of this
+    width (``LR_BY_WIDTH``; the base-size one if the config names no hidden size) and a run this long."""
     if lora:
         return LORA_LR
     if demo:
         return DEMO_LR
     width = getattr(config, "hidden_size", None) or 768
-    return next(lr for widest, lr in LR_BY_WIDTH if width <= widest)
+    short, long = next((short, long) for widest, short, long in LR_BY_WIDTH if width <= widest)
+    return max(long, short * min(1.0, math.sqrt(SHORT_RUN_STEPS / steps)))
 
 
 def build_model(source: str, label_names: list[str], problem_type: str, attention_dropout: float | None,

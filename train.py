@@ -89,7 +89,7 @@ def main(fabric, args, out_dir: Path) -> dict:
         say(json.dumps(env, indent=1))
     with fabric.rank_zero_first(local=True):  # rank 0 of each node prepares the data first; the others read its cache
         spec: TaskSpec = task.setup(args, verbose=shows_bars(fabric, args.quiet, args.verbose))
-    args = with_values(args, spec.chosen)  # the flags the task decided (--lr for its model, what auto detected)
+    args = with_values(args, spec.chosen)  # the flags the task decided (what auto detected)
     for note in spec.notes:
         say(note)
 
@@ -104,6 +104,9 @@ def main(fabric, args, out_dir: Path) -> dict:
     loaders = make_loaders(fabric, args, spec)
     steps_per_epoch = math.ceil(len(loaders["train"]) / args.grad_accum)
     max_steps = args.max_steps or args.epochs * steps_per_epoch
+    if args.lr is None:  # the task's peak for a run this long: longer runs want a lower one
+        args = with_values(args, {"lr": spec.default_lr(max_steps)})
+    warn_if_updates_vanish(fabric.strategy.precision, lr=args.lr)
     scheduler = build_scheduler(torch_optimizer, args.scheduler, lr=args.lr, max_steps=max_steps, warmup=args.warmup,
                                 min_lr_rate=args.min_lr_rate)
     state = restore(fabric, args, spec, model, optimizer, scheduler, max_steps, checkpoint=resume_from)
@@ -129,7 +132,6 @@ def main(fabric, args, out_dir: Path) -> dict:
 def build(fabric, args, spec: TaskSpec, pretrained: bool):
     """The task's model and optimizer set up by Fabric, the torch optimizer inside (for the schedule), the FLOPs per
     training step (for MFU) and parameter counts; ``pretrained`` loads the task's values (else a checkpoint will)."""
-    warn_if_updates_vanish(fabric.strategy.precision, lr=args.lr)
     # under fsdp, fsdp2 and ZeRO-3 already sharded, filled with the pretrained values after set-up
     model, source = build_model(fabric, spec.build_model, spec.build_skeleton, pretrained=pretrained)
     model = declare_blocks(model, spec.blocks)
@@ -141,8 +143,9 @@ def build(fabric, args, spec: TaskSpec, pretrained: bool):
         model, lambda m, size: step_loss(m, spec.example_batch(1, size, "meta")), max_size=spec.max_size)
     if args.compile:  # fabric.setup recompiles it around the strategy's wrapper; dynamic: one graph for every length
         model = torch.compile(model, mode=args.compile_mode, dynamic=True)
+    # at rate 0: the schedule sets the peak once the run's length, on which the default depends, is known
     model, optimizer, torch_optimizer = setup_model_and_optimizer(                              # Fabric step 3
-        fabric, model, lambda module, shapes: build_optimizer(module, name=args.optimizer, lr=args.lr,
+        fabric, model, lambda module, shapes: build_optimizer(module, name=args.optimizer, lr=0.0,
                                                               weight_decay=args.weight_decay, device=fabric.device,
                                                               offload=offloads_optimizer(fabric),
                                                               loss_scaling=scales_loss(fabric), shapes=shapes))

@@ -14,6 +14,7 @@ after each epoch are not in it, as train.py's throughput clock leaves out its va
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -136,7 +137,8 @@ def main(argv=None):
     if args.own_defaults:
         optimization = own_defaults(args.out_dir)
     else:
-        lr = args.lr or learning_rate_for(load_model_config(args.model), lora=bool(args.lora_r))  # as task.py would
+        steps = args.epochs * math.ceil(len(tokenized["train"]) / args.batch_size)
+        lr = args.lr or learning_rate_for(load_model_config(args.model), steps, lora=bool(args.lora_r))  # as train.py
         scheduler, scheduler_kwargs = HF_SCHEDULERS[args.scheduler]
         optimization = {"learning_rate": lr, "weight_decay": args.weight_decay, "max_grad_norm": args.grad_clip,
                         "lr_scheduler_type": scheduler, "lr_scheduler_kwargs": scheduler_kwargs(lr, args.min_lr_rate),

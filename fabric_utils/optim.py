@@ -39,7 +39,10 @@ def count_parameters(model) -> dict:
 def build_scheduler(optimizer, name: str, lr: float, max_steps: int, warmup: float, min_lr_rate: float = 0.0):
     """transformers' schedules: linear warm-up from 0 (``warmup``: a fraction of all steps if below 1, rounded up as
     transformers does, else a step count), then linear, cosine or no decay, down to ``min_lr_rate`` x the peak;
-    ``one-cycle`` is PyTorch's OneCycleLR with the warm-up as its rising phase."""
+    ``one-cycle`` is PyTorch's OneCycleLR with the warm-up as its rising phase. ``lr``, the peak, replaces the rate
+    the optimizer was built with: a default peak may depend on the run's length, known only after the optimizer."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
     warmup_steps = math.ceil(warmup * max_steps) if warmup < 1 else int(warmup)
     if name == "one-cycle":
         return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=lr, total_steps=max_steps,

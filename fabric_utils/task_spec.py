@@ -71,4 +71,7 @@ class TaskSpec:
     build_skeleton: Callable[[], torch.nn.Module] | None = None
     notes: list[str] = field(default_factory=list)  # what preparing the data did that a user should know
     chance_loss: float | None = None  # the loss of ignoring the inputs: a run stuck there is warned; None: no check
-    chosen: dict = field(default_factory=dict)  # flag -> value the task chose (--lr left to it, what auto detected)
+    # optimizer steps -> the peak learning rate when --lr is not given (the run's length is known only after the
+    # loaders); None: --lr has a default in the task's flags
+    default_lr: Callable[[int], float] | None = None
+    chosen: dict = field(default_factory=dict)  # flag -> value the task chose (what auto detected)

@@ -129,8 +129,8 @@ def test_bad_target_modules_name_the_linear_layers(tmp_path):
 
 def test_lora_brings_its_learning_rate_unless_one_is_given(tmp_path):
     assert parse_args(["--lora-r", "8"]).lr is None  # left to the task, which chooses LoRA's rate
-    assert task.learning_rate_for(DistilBertConfig(), lora=True) == task.LORA_LR != task.learning_rate_for(
-        DistilBertConfig())
+    assert task.learning_rate_for(DistilBertConfig(), 38, lora=True) == task.LORA_LR != task.learning_rate_for(
+        DistilBertConfig(), 38)
     assert parse_args(["--lora-r", "8", "--lr", "1e-3"]).lr == 1e-3
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump({"lora_r": 8, "lr": 1e-3}))
