@@ -187,7 +187,7 @@ def header(fabric, args, spec: TaskSpec, max_steps: int, steps_per_epoch: int, o
         f"training  {max_steps:,} optimizer steps ({max_steps / steps_per_epoch:.3g} "
         f"epoch{'s' * (max_steps != steps_per_epoch)} of {steps_per_epoch:,}), "
         f"{args.batch_size * devices * args.grad_accum:,} rows each ({args.batch_size} per device x "
-        f"{devices} device{'s' * (devices > 1)} x --grad-accum {args.grad_accum})",
+        f"{devices} device{'s' * (devices > 1)} x --grad-accum {args.grad_accum}), peak --lr {args.lr:.3g}",
         f"launch    {devices} {fabric.device.type} process{'es' * (devices > 1)}"
         + (f" on {nodes} nodes" if nodes > 1 else "")
         + f", {type(fabric.strategy).__name__}, precision {fabric.strategy.precision.precision}",

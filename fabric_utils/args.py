@@ -125,7 +125,7 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     g.add_argument("--grad-accum", type=positive_int, default=1, help="micro-batches per optimizer step; DDP, FSDP "
                    "and ZeRO-1 reduce gradients only on the last, ZeRO-2/3 on every one (they keep only their shard)")
     g.add_argument("--lr", type=positive_float, help="peak learning rate (default: the task's choice for the model it "
-                   "loads, which its flags' help describes)")
+                   "loads and the run's optimizer steps, which its flags' help describes)")
     g.add_argument("--optimizer", choices=("adamw", "adam"), default="adamw")
     g.add_argument("--weight-decay", type=non_negative_float, default=0.01, help="AdamW decoupled weight decay")
     g.add_argument("--scheduler", choices=("linear", "cosine", "one-cycle", "constant"), default="linear",

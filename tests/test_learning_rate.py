@@ -3,13 +3,14 @@ the rule on the configurations of real model families, and a run that leaves --l
 peak chosen for its model and its optimizer steps."""
 
 import csv
+import sys
 
 import pytest
 import yaml
 from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification, DistilBertConfig, RobertaConfig
 
 import task
-from conftest import train
+from conftest import run, train
 from data.demo import prepare_demo
 from task import learning_rate_for
 from train import parse_args
@@ -38,9 +39,11 @@ def test_a_run_without_lr_trains_at_the_peak_for_its_model_and_steps_and_records
     tokenizer.save_pretrained(model)
     flags = ["--dataset", str(data), "--model", str(model), "--accelerator", "cpu", "--precision", "32-true",
              "--val-size", "16", "--test-size", "16", "--max-length", "32", "--batch-size", "8", "--warmup", "1",
-             "--log-every", "1", "--num-workers", "0", "--quiet"]
+             "--log-every", "1", "--num-workers", "0"]
     # 2 epochs of 80 batches: 160 optimizer steps, counted from the loaders
-    train([*flags, "--train-size", "640", "--epochs", "2"], tmp_path / "run")
+    done = run([sys.executable, "train.py", *flags, "--train-size", "640", "--epochs", "2", "--out-dir",
+                str(tmp_path / "run")])
+    assert "peak --lr 7.5e-05" in done.stdout  # the run's header says which peak it chose
 
     assert yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["lr"] == pytest.approx(7.5e-5)
     with open(tmp_path / "run" / "logs" / "version_0" / "metrics.csv") as f:
