@@ -33,8 +33,8 @@ from fabric_utils.task_spec import TaskSpec
 # measured on all-MiniLM-L6-v2, down to the Hugging Face Trainer's 5e-5; up to 768 (base size): the published
 # DistilBERT and BERT recipes; wider (large): inside BERT's and RoBERTa-large's fine-tuning grids
 LR_BY_WIDTH = ((384, 1.5e-4, 5e-5), (768, 5e-5, 5e-5), (float("inf"), 2e-5, 2e-5))
-# beyond this many optimizer steps the peak falls as the square root of the run's length: more large steps carry a
-# small model away from its pretrained weights (a harder task then sits at chance)
+# beyond this many optimizer steps the peak falls as the square root of the run's length: a long run at a short
+# run's peak can leave a small model at chance
 SHORT_RUN_STEPS = 40
 # LoRA trains a few small matrices, B from zero: it needs a far larger rate than full fine-tuning, but not so large
 # that a draw stays at chance
