@@ -122,7 +122,6 @@ def setup(args: argparse.Namespace, verbose: bool) -> TaskSpec:
                      drop_invalid=args.drop_invalid, text_pair_column=args.text_pair_column)
     # config.yaml and results.json record what the run trained: the demo's data and model, the draw, what auto chose
     chosen = {"dataset": dataset, "model": model, "data_seed": data_seed, "problem_type": data.problem_type}
-    model_config = load_model_config(data.model_source)
     objective = ClassifierObjective(data.problem_type, num_labels=len(data.label_names))
     from data.tokenize import make_collator
 
@@ -147,7 +146,8 @@ def setup(args: argparse.Namespace, verbose: bool) -> TaskSpec:
               "--max-length": args.max_length, "--train-size": args.train_size, "--data-seed": data_seed},
         sizes={name: split["length"] for name, split in data.splits.items()}, row_sizes=row_lengths,
         max_size=args.max_length, notes=data.notes, chance_loss=objective.chance_loss(data.splits["train"]["labels"]),
-        default_lr=lambda steps: learning_rate_for(model_config, steps, lora=bool(args.lora_r), demo=args.demo),
+        default_lr=lambda steps: learning_rate_for(load_model_config(data.model_source), steps, lora=bool(args.lora_r),
+                                                   demo=args.demo),
         chosen=chosen)
 
 
