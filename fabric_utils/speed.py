@@ -8,6 +8,7 @@ import socket
 import time
 import zlib
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -126,10 +127,15 @@ def warm_up(fabric, model, optimizer, batch: dict, loss_fn: Callable[[torch.nn.M
 
 
 def peak_memory_mb(device: torch.device) -> float:
-    """Peak device memory on CUDA; peak resident memory of this process on CPU."""
+    """Peak device memory on CUDA; peak resident memory of this process on CPU: Linux's VmHWM, since ``ru_maxrss``
+    starts at the parent's peak in a process started by exec (a rank launched from a large process would report it)."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # no /proc (macOS): counted in bytes there
 
 
 def peak_memory_per_rank(fabric) -> list[float]:

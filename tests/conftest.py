@@ -129,19 +129,21 @@ class Job:
         assert rc == 0, f"{self.command} exited {rc}\n{self.output()[-5000:]}"
         return json.loads((self.out_dir / "results.json").read_text())
 
-    def wait_for(self, path: Path, timeout=300) -> None:
-        """Polls until ``path`` exists; fails if the run ends first."""
+    def wait_for(self, path: Path, timeout=300, or_later=False) -> None:
+        """Polls until ``path`` exists (``or_later``: or a later step checkpoint beside it); fails if the run ends
+        first. A poll on a loaded machine can come after --keep-last has pruned the step checkpoint it waits for."""
         deadline = time.monotonic() + timeout
-        while not path.exists():
+        while not (path.exists() or or_later and any(later.name > path.name for later in path.parent.glob("step-*"))):
             assert self.proc.poll() is None, (f"run ended (exit {self.proc.returncode}) before {path} appeared\n"
                                               f"{self.output()[-3000:]}")
             assert time.monotonic() < deadline, f"{path} did not appear within {timeout} s"
             time.sleep(0.01)
 
     def kill_after(self, checkpoint: str, rank: int | None = None) -> None:
-        """SIGKILL once ``checkpoints/<checkpoint>`` exists: to every process of the run, as a lost machine would, or
-        to one ``rank``'s process only (a crashed process), after which the others must end by themselves."""
-        self.wait_for(self.out_dir / "checkpoints" / checkpoint)
+        """SIGKILL once ``checkpoints/<checkpoint>`` or a later one exists: to every process of the run, as a lost
+        machine would, or to one ``rank``'s process only (a crashed process), after which the others must end by
+        themselves."""
+        self.wait_for(self.out_dir / "checkpoints" / checkpoint, or_later=True)
         if rank is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
         else:  # rank 0 is the process started here; it started the others (Lightning's launcher)

@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pandas as pd
@@ -78,6 +79,17 @@ def test_loader_workers_count_the_cpus_this_process_may_use(monkeypatch, other_c
     fabric = SimpleNamespace(device=torch.device("cuda", 0), world_size=2, all_gather=all_gather)
     assert default_num_workers(fabric) == expected
 
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="Linux: VmHWM")
+def test_a_process_reports_its_own_peak_memory_not_that_of_the_process_that_started_it():
+    """A rank's memory on CPU is its process's peak; one started from a larger process (a notebook, a test runner)
+    must not report the larger one's, as ``ru_maxrss`` would after exec."""
+    held = torch.ones(2**28)  # 1 GiB, resident in this process while the child starts
+    probe = "import torch; from fabric_utils.speed import peak_memory_mb; print(peak_memory_mb(torch.device('cpu')))"
+    done = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert 50 < float(done.stdout) < held.nbytes / 2**20 / 2, done.stdout
 
 SHARING = r"""
 import json, os, sys
