@@ -217,7 +217,7 @@ def task_table(task: str, names: list[str], results: dict[str, list[dict]], sarg
         logged = [r["stuck"] for r in ok if r.get("stuck") is not None]
         stuck = "—" if study.runs_hf_trainer(name) else f"{sum(logged)}/{len(logged)}"  # the Trainer has no such line
         # as each run resolved it: "default" means another rate once the default changes
-        rates = ", ".join(dict.fromkeys(f"{lr:g}" if lr else "the Trainer's" for lr in
+        rates = ", ".join(dict.fromkeys(f"{lr:.2g}" if lr else "the Trainer's" for lr in
                                         (r.get("config", {}).get("lr") for r in ok)))
         lines.append(f"| {name} | {rates} | {', '.join(f'{v:.3f}' for v in values)} | {at_chance}/{len(ok)} "
                      f"| {stuck} |")
