@@ -1,3 +1,4 @@
+import csv
 import json
 import os
 import re
@@ -96,6 +97,17 @@ def train(args: list, out_dir: Path, **kwargs) -> dict:
     """Runs ``python train.py ARGS --out-dir OUT_DIR`` and returns its results.json."""
     run([sys.executable, "train.py", *map(str, args), "--out-dir", str(out_dir)], **kwargs)
     return json.loads((out_dir / "results.json").read_text())
+
+
+def logged(out_dir: Path, column: str, version: int | None = None) -> dict[int, float]:
+    """step -> ``column``'s value in the run's CSV log: one segment's (``version``), or every segment's in order (a
+    resume writes a new version)."""
+    found = {}
+    for path in sorted((out_dir / "logs").glob("version_*/metrics.csv"), key=lambda p: int(p.parent.name[8:])):
+        if version is None or path.parent.name == f"version_{version}":
+            with open(path) as f:
+                found.update({int(row["step"]): float(row[column]) for row in csv.DictReader(f) if row.get(column)})
+    return found
 
 
 def fabric_cli() -> str:

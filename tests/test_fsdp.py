@@ -5,7 +5,6 @@ and the export loads with ``from_pretrained``. Plus the resume of stateful objec
 The uninterrupted and the killed run start together, as in test_resilience.py, to keep the module near a minute and
 a half on two cores."""
 
-import csv
 import json
 import subprocess
 import sys
@@ -13,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, Job, kill_all, resumed_step, subprocess_env
+from conftest import REPO, Job, kill_all, logged, resumed_step, subprocess_env
 from test_resilience import EXPORT_CHECK, TINY
 
 # TINY's 100 steps of 16 rows, as 8 rows on each of two processes. 65 test rows in batches of 32 leave rank 1 a last
@@ -23,20 +22,11 @@ MAX_STEPS = 100
 COMPARED = ("val_loss", "val_acc", "test_loss", "test_acc")
 
 
-def logged_lr(out_dir: Path) -> dict[int, float]:
-    """step -> learning rate, from every metrics.csv of the run (a resume writes a new version)."""
-    found = {}
-    for path in sorted((out_dir / "logs").glob("version_*/metrics.csv")):
-        with open(path) as f:
-            found.update({int(row["step"]): float(row["lr"]) for row in csv.DictReader(f) if row.get("lr")})
-    return found
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """An uninterrupted fsdp2 run and one whose rank 0 is killed after its step-20 checkpoint (rank 1 must end by
-    itself), then resumed with --resume auto. The killed run also recomputes the blocks' activations in backward, which must
-    not change a number either."""
+    itself), then resumed with --resume auto. The killed run also recomputes the blocks' activations in backward,
+    which must not change a number either."""
     root = tmp_path_factory.mktemp("fsdp2")
     jobs = {"full": Job(root / "full", *TINY, *FSDP2),
             "killed": Job(root / "killed", *TINY, *FSDP2, "--grad-checkpointing")}
@@ -60,7 +50,7 @@ def test_fsdp2_kill_then_resume_matches_uninterrupted(runs):
     for key in COMPARED:
         assert resumed[key] == pytest.approx(full[key], abs=1e-4), key
     # the schedule went on where it stopped, not from its warm-up
-    full_lr, resumed_lr = logged_lr(runs["full"].out_dir), logged_lr(runs["resumed"].out_dir)
+    full_lr, resumed_lr = logged(runs["full"].out_dir, "lr"), logged(runs["resumed"].out_dir, "lr")
     after = [s for s in full_lr if s > step]
     assert after and [resumed_lr[s] for s in after] == pytest.approx([full_lr[s] for s in after], rel=1e-6)
 

@@ -1,11 +1,10 @@
 """What only a CUDA GPU can show: fp16 with loss scaling, real DeepSpeed kernels, NCCL. Skipped without CUDA."""
 
-import csv
 
 import pytest
 import torch
 
-from conftest import SMALL_DEMO, build_fabric_from_flags, train
+from conftest import SMALL_DEMO, build_fabric_from_flags, logged, train
 
 pytestmark = pytest.mark.gpu
 
@@ -44,8 +43,7 @@ def test_compile_on_gpu(tmp_path):
 
 
 def seconds_per_step_after_the_first(out_dir) -> float:
-    with open(out_dir / "logs" / "version_0" / "metrics.csv") as f:
-        clock = {int(r["step"]): float(r["time"]) for r in csv.DictReader(f) if r.get("time")}
+    clock = logged(out_dir, "time")
     first, last = min(clock), max(clock)
     return (clock[last] - clock[first]) / (last - first)
 

@@ -2,7 +2,6 @@
 (throughput, MFU), and how its ranks stop together."""
 
 import ast
-import csv
 import inspect
 import os
 import pickle
@@ -17,7 +16,7 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 from torch.overrides import TorchFunctionMode
 
 import train
-from conftest import REPO, SMALL_DEMO, run, train as train_run
+from conftest import REPO, SMALL_DEMO, logged, run, train as train_run
 from data.tokenize import make_collator
 
 # Tensor methods that read a value back to the host: on a GPU each one waits for every queued kernel
@@ -115,13 +114,12 @@ def test_logged_mfu_agrees_with_results(tmp_path):
     grow with every log step (0.209 logged against 0.016 in results.json)."""
     results = train_run([*SMALL_DEMO, "--accelerator", "cpu", "--precision", "32-true", "--max-steps", "25",
                          "--log-every", "2", "--peak-tflops", "0.1"], tmp_path)
-    with open(tmp_path / "logs" / "version_0" / "metrics.csv") as f:
-        logged = [float(r["device/mfu"]) for r in csv.DictReader(f) if r.get("device/mfu")]
-    assert len(logged) >= 5, logged
+    mfu = list(logged(tmp_path, "device/mfu").values())
+    assert len(mfu) >= 5, mfu
     assert results["mfu"] > 0
     # the logged values are windows of 5 log steps, results.json the whole loop (validation included)
-    assert 0.5 < sum(logged) / len(logged) / results["mfu"] < 2.5, (logged, results["mfu"])
-    assert logged[-1] < 3 * logged[0], logged  # does not grow with the step count
+    assert 0.5 < sum(mfu) / len(mfu) / results["mfu"] < 2.5, (mfu, results["mfu"])
+    assert mfu[-1] < 3 * mfu[0], mfu  # does not grow with the step count
 
 
 def _log_on_rank(rank: int, port: int, results):

@@ -2,7 +2,6 @@
 the rule on the configurations of real model families, and a run that leaves --lr out trains, records and logs the
 peak chosen for its model and its optimizer steps."""
 
-import csv
 import sys
 
 import pytest
@@ -10,7 +9,7 @@ import yaml
 from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification, DistilBertConfig, RobertaConfig
 
 import task
-from conftest import run, train
+from conftest import logged, run, train
 from data.demo import prepare_demo
 from task import learning_rate_for
 from train import parse_args
@@ -46,9 +45,8 @@ def test_a_run_without_lr_trains_at_the_peak_for_its_model_and_steps_and_records
     assert "peak --lr 7.5e-05" in done.stdout  # the run's header says which peak it chose
 
     assert yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["lr"] == pytest.approx(7.5e-5)
-    with open(tmp_path / "run" / "logs" / "version_0" / "metrics.csv") as f:
-        logged = [float(row["lr"]) for row in csv.DictReader(f) if row.get("lr")]
-    assert len(logged) == 160 and max(logged) == pytest.approx(7.5e-5)  # the optimizer's peak is the recorded rate
+    rates = logged(tmp_path / "run", "lr").values()
+    assert len(rates) == 160 and max(rates) == pytest.approx(7.5e-5)  # the optimizer's peak is the recorded rate
 
     train([*flags, "--train-size", "64", "--max-steps", "4", "--lr", "1e-4"], tmp_path / "given")
     assert yaml.safe_load((tmp_path / "given" / "config.yaml").read_text())["lr"] == 1e-4  # a given --lr is kept

@@ -1,7 +1,6 @@
 """Precision: fp16 with loss scaling (run on CPU through the test-only shim), how --precision auto reads the
 hardware, and bf16-true's lost updates."""
 
-import csv
 import math
 import os
 import sys
@@ -10,7 +9,7 @@ import warnings
 import pytest
 import torch
 
-from conftest import REPO, SHIMS, SMALL_DEMO, build_fabric_from_flags, run, train
+from conftest import REPO, SHIMS, SMALL_DEMO, build_fabric_from_flags, logged, run, train
 from fabric_utils.launcher import warn_if_updates_vanish
 
 FP16_CPU = ["--accelerator", "cpu", "--precision", "16-mixed", *SMALL_DEMO, "--log-every", "1"]
@@ -22,11 +21,6 @@ def fp16_cpu(monkeypatch):
     monkeypatch.setenv("FABRIC_TEMPLATE_FP16_CPU", "1")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(SHIMS), str(REPO)]))
     return monkeypatch
-
-
-def logged_losses(out_dir) -> list[float]:
-    with open(out_dir / "logs" / "version_0" / "metrics.csv") as f:
-        return [float(row["train/loss"]) for row in csv.DictReader(f) if row["train/loss"]]
 
 
 def test_fp16_overflow_steps_are_skipped_and_training_goes_on(fp16_cpu, tmp_path):
@@ -41,7 +35,7 @@ def test_fp16_overflow_steps_are_skipped_and_training_goes_on(fp16_cpu, tmp_path
     adam_steps = {int(s["step"]) for s in state["optimizer"]["state"].values()}
     assert len(adam_steps) == 1 and 0 < adam_steps.pop() < steps
     # the scaler only touches gradients: the loss of an overflow step is finite, so the finite-loss check stays on
-    losses = logged_losses(tmp_path)
+    losses = list(logged(tmp_path, "train/loss").values())
     assert len(losses) == steps and all(math.isfinite(loss) for loss in losses)
 
 

@@ -9,7 +9,7 @@ import sys
 import pandas as pd
 import pytest
 
-from conftest import REPO, subprocess_env, train
+from conftest import REPO, logged, subprocess_env, train
 from data.demo import NEGATIVE, POSITIVE, make_review, prepare_demo
 
 FAST = ["--accelerator", "cpu", "--precision", "32-true", "--num-workers", "0", "--max-length", "64", "--epochs", "2",
@@ -64,11 +64,10 @@ def test_problem_type_trains_end_to_end(tmp_path, base_model, problem_type):
     else:
         spread = pd.Series(labels).std()
         assert results["test_rmse"] < 0.95 * spread and results["test_pearson"] > 0.3  # better than the mean
-    metrics = pd.read_csv(tmp_path / "run" / "logs" / "version_0" / "metrics.csv")
     best = "val/f1" if problem_type == "multi_label" else "val/rmse"
-    logged = metrics[best].dropna()
-    assert results[best.replace("/", "_")] == pytest.approx(logged.max() if problem_type == "multi_label"
-                                                            else logged.min())  # picked by the right metric
+    scores = logged(tmp_path / "run", best).values()
+    assert results[best.replace("/", "_")] == pytest.approx(max(scores) if problem_type == "multi_label"
+                                                            else min(scores))  # picked by the right metric
     done = subprocess.run([sys.executable, "-c", EXPORT_CHECK, str(tmp_path / "run" / "model")], cwd=REPO,
                           env=subprocess_env(), capture_output=True, text=True, timeout=120)
     exported = json.loads(done.stdout.strip().splitlines()[-1])

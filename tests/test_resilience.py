@@ -4,7 +4,6 @@ that --resume auto can trust, --keep-last, the exported model, and a loss that g
 Every run is ``python train.py`` in a subprocess on the CPU. To keep the module at about a minute and a half on two
 shared cores, the single-process runs start together in one fixture and each test checks its part of them."""
 
-import csv
 import json
 import re
 import signal
@@ -14,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import Job, kill_all, resumed_step, subprocess_env
+from conftest import Job, kill_all, logged, resumed_step, subprocess_env
 
 EXIT_PREEMPTED = 75
 STEPS_PER_EPOCH = 50  # 800 rows / 16 per batch
@@ -114,9 +113,8 @@ def test_sigterm_saves_a_checkpoint_and_exits_75_then_resume_completes(runs):
     assert 20 <= step < MAX_STEPS
     assert f"step-{step:06d}" in info["termed_steps"]
     assert "Traceback" not in out
-    with open(jobs["termed"].out_dir / "logs" / "version_0" / "metrics.csv") as f:  # the stopped segment's log
-        logged = [int(row["step"]) for row in csv.DictReader(f) if row.get("train/loss")]
-    assert logged and max(logged) >= step - 5, logged  # logged every 5 steps, up to where it stopped
+    losses = logged(jobs["termed"].out_dir, "train/loss", version=0)  # the stopped segment's log
+    assert losses and max(losses) >= step - 5, losses  # logged every 5 steps, up to where it stopped
     resumed = jobs["termed_resume"].results()
     assert resumed_step(jobs["termed_resume"].output()) == step
     for name in ("preempted.txt", ".lock"):  # the run completed: neither says anything true any more

@@ -12,7 +12,7 @@ import torch
 import yaml
 
 import task
-from conftest import (SMALL_DEMO, Job, build_fabric_from_flags, fabric_cli, kill_all, resumed_step, run,
+from conftest import (SMALL_DEMO, Job, build_fabric_from_flags, fabric_cli, kill_all, logged, resumed_step, run,
                       train)
 from fabric_utils.batch_size import MAX_BATCH, find_batch_size
 from train import parse_args
@@ -206,9 +206,7 @@ def test_early_stop_ends_the_run_and_still_tests_the_best_model(tmp_path):
     results = train([*SMALL_DEMO, "--epochs", "4", "--val-every", "2", "--early-stop", "2"], tmp_path)
     full_steps = 4 * 25  # 400 rows in batches of 16, 4 epochs
     assert results["steps"] < full_steps
-    metrics = [line.split(",") for line in (tmp_path / "logs" / "version_0" / "metrics.csv").read_text().splitlines()]
-    header = metrics[0]
-    accuracies = [float(row[header.index("val/acc")]) for row in metrics[1:] if row[header.index("val/acc")]]
+    accuracies = list(logged(tmp_path, "val/acc").values())
     assert accuracies[-1] <= max(accuracies[:-1]) and accuracies[-2] <= max(accuracies[:-2])  # two without a gain
     assert results["val_acc"] == max(accuracies)  # the best model is the one tested and exported
     assert (tmp_path / "model" / "config.json").exists()
