@@ -1,6 +1,5 @@
 """What only a CUDA GPU can show: fp16 with loss scaling, real DeepSpeed kernels, NCCL. Skipped without CUDA."""
 
-
 import pytest
 import torch
 

@@ -80,7 +80,6 @@ def test_loader_workers_count_the_cpus_this_process_may_use(monkeypatch, other_c
     assert default_num_workers(fabric) == expected
 
 
-
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="Linux: VmHWM")
 def test_a_process_reports_its_own_peak_memory_not_that_of_the_process_that_started_it():
     """A rank's memory on CPU is its process's peak; one started from a larger process (a notebook, a test runner)
@@ -90,6 +89,7 @@ def test_a_process_reports_its_own_peak_memory_not_that_of_the_process_that_star
     done = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     assert 50 < float(done.stdout) < held.nbytes / 2**20 / 2, done.stdout
+
 
 SHARING = r"""
 import json, os, sys
