@@ -103,10 +103,10 @@ def logged(out_dir: Path, column: str, version: int | None = None) -> dict[int, 
     """step -> ``column``'s value in the run's CSV log: one segment's (``version``), or every segment's in order (a
     resume writes a new version)."""
     found = {}
-    for path in sorted((out_dir / "logs").glob("version_*/metrics.csv"), key=lambda p: int(p.parent.name[8:])):
-        if version is None or path.parent.name == f"version_{version}":
-            with open(path) as f:
-                found.update({int(row["step"]): float(row[column]) for row in csv.DictReader(f) if row.get(column)})
+    segments = (out_dir / "logs").glob(f"version_{'*' if version is None else version}/metrics.csv")
+    for path in sorted(segments, key=lambda path: int(path.parent.name.removeprefix("version_"))):
+        with open(path) as f:
+            found.update({int(row["step"]): float(row[column]) for row in csv.DictReader(f) if row.get(column)})
     return found
 
 
