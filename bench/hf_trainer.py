@@ -3,7 +3,7 @@
 schedule, weight decay and clipping, all defaulting to train.py's defaults (the task's rate for the model); dynamic
 padding and length grouping. ``--own-defaults`` trains with the Trainer's own defaults instead (``TrainingArguments``'
 learning rate 5e-5, linear decay to 0 without warm-up, no weight decay, clipping at 1.0, no length grouping, the
-model's own dropout): the peer a user who picks the Trainer gets (issue 33). The batch size stays --batch-size.
+model's own dropout): the peer a user who picks the Trainer gets. The batch size stays --batch-size.
 Single texts or sentence pairs (--text-pair-column), single-label, multi-label or regression labels, full fine-tuning
 or LoRA (--lora-r, the template's adapters), as train.py reads them.
 

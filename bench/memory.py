@@ -1,4 +1,4 @@
-"""Memory per rank (issue 16): the same short job under ddp, fsdp2 and deepspeed_stage_3 on 2 CPU processes, with a
+"""Memory per rank: the same short job under ddp, fsdp2 and deepspeed_stage_3 on 2 CPU processes, with a
 BERT-shaped model of random weights saved once in fp32 and once in bf16, with and without LoRA. Prints each rank's
 peak resident memory (results.json's peak_memory_mb_per_rank) and its ratio to ddp's same rank.
 

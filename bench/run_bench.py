@@ -1,4 +1,4 @@
-"""Speed benchmark (issue 3): the article's recipe, each speed technique added to it alone, the template's default,
+"""Speed benchmark: the article's recipe, each speed technique added to it alone, the template's default,
 default + torch.compile, and the Hugging Face Trainer, one after another on the same IMDB subset, model and seed.
 
     python bench/run_bench.py                       # all rows, default sizes (about 30-35 minutes on 2 CPU cores)

@@ -1,4 +1,4 @@
-"""Accuracy and time-to-accuracy study (issue 10): configurations x seeds x data settings through train.py, one
+"""Accuracy and time-to-accuracy study: configurations x seeds x data settings through train.py, one
 process at a time, summarised as markdown tables.
 
     python bench/study.py --configs article,default,lr2e-4 --seeds 1,2,3 --train-sizes 600
@@ -46,7 +46,7 @@ CONFIGS = {
     "article": article(batch_size="12", lr="5e-5"),
     "default": [],
     # bench/hf_trainer.py (its flags here): with train.py's defaults (same model settings, same precision), and with
-    # the Trainer's own defaults (issue 33's peer)
+    # the Trainer's own defaults (what a user who picks the Trainer gets)
     "hf-trainer": [],
     "hf-own": ["--own-defaults"],
 }
@@ -251,7 +251,7 @@ def summarise(setting: str, by_config: dict[str, list[dict]], target_name: str) 
 
 
 def against_target(rows: dict, target_name: str) -> str:
-    """Issue 19's bar, on the draws both configurations finished: mean test acc >= the target's mean - 0.01, worst
+    """The bar for a faster default, on the draws both configurations finished: mean test acc >= the target's mean - 0.01, worst
     draw >= the target's worst - 0.02, and the training-time ratio (mean seconds of the target over the
     configuration's; the bar is 1.5x in fp32, 2.5x in bf16-mixed where the CPU computes bf16 natively)."""
     ref = rows[target_name]

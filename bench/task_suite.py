@@ -1,4 +1,4 @@
-"""The task suite for the defaults (issue 33): the template's defaults, full fine-tuning and LoRA, against the Hugging
+"""The task suite for the defaults: the template's defaults, full fine-tuning and LoRA, against the Hugging
 Face Trainer with its own defaults (and the article's recipe where it applies) on six offline tasks, 3 draws each,
 the same rows for every configuration; one table per task and setting.
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# CI's proof that a task is one file (issue 17): in a copy of the repository's tracked files whose task.py is
+# CI's proof that a task is one file: in a copy of the repository's tracked files whose task.py is
 # replaced by examples/vision_task.py, and nothing else, train.py trains the digits to test accuracy >= 0.95 with
 # launch flags alone, and the infrastructure tests (tests/infra) pass.
 #   bash scripts/swap_task_check.sh [PYTHON]    (default: .venv/bin/python)

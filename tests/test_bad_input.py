@@ -1,4 +1,4 @@
-"""Issue 4, bad input: every mistake a user can make in flags, data, model, checkpoint or output folder ends the run
+"""Bad input: every mistake a user can make in flags, data, model, checkpoint or output folder ends the run
 with a non-zero status and one ``error: ...`` line on stderr that says what to change; no traceback, and nothing
 already in --out-dir is touched.
 

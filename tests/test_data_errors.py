@@ -1,4 +1,4 @@
-"""Issue 11, data side: bad rows named by split, column, count and place (or dropped with --drop-invalid), and the
+"""Bad data: bad rows named by split, column, count and place (or dropped with --drop-invalid), and the
 three problem types: single_label, multi_label and regression."""
 
 import json

@@ -1,4 +1,4 @@
-"""Issue 11, LoRA (--lora-r): only the adapters and the head train, the export merges the adapters into a plain
+"""LoRA (--lora-r): only the adapters and the head train, the export merges the adapters into a plain
 Hugging Face model, resume is exact, and two processes (DDP, DeepSpeed ZeRO-2 and ZeRO-3) train the same adapters
 as one.
 

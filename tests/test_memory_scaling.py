@@ -1,10 +1,10 @@
-"""Memory that scales with the number of ranks (issue 16), on 2 CPU processes, where a rank's memory is its
+"""Memory that scales with the number of ranks, on 2 CPU processes, where a rank's memory is its
 process's peak resident memory (results.json's peak_memory_mb_per_rank, taken before rank 0 gathers the model for
 the export): each rank of fsdp2 and of ZeRO-3 (under the test-only DeepSpeed CPU shim) peaks under 0.8x the same
 rank of ddp on the same job, for a model saved in bf16, as most large models ship. The job trains LoRA adapters on
 the frozen model: the frozen weights are then most of what a rank holds, so a whole copy of them shows (under full
-fine-tuning the gradients and Adam's state dominate). What each strategy used to hold whole on every rank: fsdp2 a
-fp32 copy before sharding; ZeRO-3 a fp32 copy before DeepSpeed cast it to bf16, every gathered weight after the
+fine-tuning the gradients and Adam's state dominate). What it catches, held whole on every rank: under fsdp2 a
+fp32 copy before sharding; under ZeRO-3 a fp32 copy before DeepSpeed cast it to bf16, every gathered weight after the
 first step (DeepSpeed's reuse distance), and, to reload the best model, the whole fp32 model."""
 
 import sys
@@ -20,8 +20,8 @@ from bench.memory import JOB, save_models  # noqa: E402
 from data.demo import prepare_demo  # noqa: E402
 
 # glibc hands a freed block above its mmap threshold back to the system at once, but raises the threshold to the
-# size of each such block it frees: FSDP2's all-gather buffers, freed every step, then stay in its heap, and an
-# fsdp2 rank here peaked at 1,374 MB instead of 1,021 MB. A fixed threshold keeps the peaks to what each rank holds
+# size of each such block it frees: FSDP2's all-gather buffers, freed every step, then stay in its heap and count in
+# the rank's peak. A fixed threshold keeps the peaks to what each rank holds
 ALLOCATOR = {"MALLOC_MMAP_THRESHOLD_": str(2**20)}
 
 
@@ -50,7 +50,7 @@ def test_a_sharded_rank_peaks_under_four_fifths_of_a_ddp_rank(runs, strategy):
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
 def test_a_bf16_file_trains_fp32_weights(runs, strategy):
-    """Mixed precision computes in bf16 but must update fp32 weights (issue 16, defect 4): the model is loaded in
+    """Mixed precision computes in bf16 but must update fp32 weights: the model is loaded in
     the file's dtype and cast (after sharding, under fsdp2), and the checkpoint holds what was trained, the frozen
     weights too."""
     from lightning.fabric.utilities.load import _load_distributed_checkpoint

@@ -1,4 +1,4 @@
-"""Sentence pairs (--text-pair-column, issue 17): tokenized as the model expects, checked like the first text, and a
+"""Sentence pairs (--text-pair-column): tokenized as the model expects, checked like the first text, and a
 pair task that needs both texts learns where the first text alone is at chance."""
 
 import json
@@ -142,8 +142,7 @@ def test_a_pair_task_that_needs_both_texts_learns_only_with_the_pair_column(tmp_
     flags = ["--dataset", str(tmp_path / "data"), "--model", str(model), "--accelerator", "cpu", "--precision",
              "32-true", "--num-workers", "0", "--max-length", "16", "--epochs", "3", "--batch-size", "32", "--lr",
              "3e-3", "--hidden-dropout", "0", "--quiet",
-             # decaying to 0: from random weights at this rate, 30% of the peak at the end kept this seed's run at
-             # chance (it learned at seed 1, and with floors of 0 and 0.1; docs/studies/RESULTS.md, issue 19)
+             # decaying to 0: from random weights at this rate, a floor of 30% of the peak can hold a draw at chance
              "--min-lr-rate", "0"]
     jobs = {"pairs": Job(tmp_path / "pairs", *flags, "--text-pair-column", "pair"),
             "text alone": Job(tmp_path / "text", *flags)}  # started together: two cores

@@ -1,4 +1,4 @@
-"""Issue 20: a preempted job leaves cleanly every time. Every rank stops its loader workers and destroys the process
+"""A preempted job leaves cleanly every time. Every rank stops its loader workers and destroys the process
 group before it exits 75, so none can abort in C++ on the way out ("terminate called without an active exception",
 which made srun report 134 and SLURM not requeue); a signal after the loop (test, export, teardown) does not fail a
 finished run; Ctrl-C stops like a preemption, and a second one at once.

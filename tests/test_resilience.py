@@ -1,4 +1,4 @@
-"""Issue 4, resilient runs: exact resume after SIGKILL, clean stop on SIGTERM (one and two processes), checkpoints
+"""Resilient runs: exact resume after SIGKILL, clean stop on SIGTERM (one and two processes), checkpoints
 that --resume auto can trust, --keep-last, the exported model, and a loss that goes non-finite.
 
 Every run is ``python train.py`` in a subprocess on the CPU. To keep the module at about a minute and a half on two

@@ -1,4 +1,4 @@
-"""Issue 18: a run resumes on another number of devices (a requeued job may come back with fewer) and continues the
+"""A run resumes on another number of devices (a requeued job may come back with fewer) and continues the
 same optimization: the same rows in each optimizer step (accumulation makes up for the missing devices), the same
 schedule and steps, the epoch continued at the same row. DDP's one-file checkpoints and FSDP2's distributed ones load
 on any number of processes; FSDP's and DeepSpeed's shards are refused with one line.
