@@ -303,8 +303,8 @@ def log_step(fabric, progress, monitor, step, lr, max_lr) -> None:
     progress.show()
     if progress.stuck_at_chance():
         say(f"the training loss stayed at chance level ({progress.chance_loss:.3g}: what a model that ignores its "
-            f"inputs scores) over the last quarter of the run, up to step {step}: the model did not learn; try a "
-            f"lower --lr (now {max_lr:g}) if the loss jumped there at once, else a higher one or more --epochs")
+            f"inputs scores) over the last quarter of the run, up to step {step}: it learned little if anything; try "
+            f"a lower --lr (now {max_lr:g}) if the loss jumped there at once, else a higher one or more --epochs")
 
 
 def validate(fabric, model, loader, objective, step, show) -> dict:
