@@ -251,8 +251,8 @@ def summarise(setting: str, by_config: dict[str, list[dict]], target_name: str) 
 
 
 def against_target(rows: dict, target_name: str) -> str:
-    """The bar for a faster default, on the draws both configurations finished: mean test acc >= the target's mean - 0.01, worst
-    draw >= the target's worst - 0.02, and the training-time ratio (mean seconds of the target over the
+    """The bar for a faster default, on the draws both configurations finished: mean test acc >= the target's mean
+    - 0.01, worst draw >= the target's worst - 0.02, and the training-time ratio (mean seconds of the target over the
     configuration's; the bar is 1.5x in fp32, 2.5x in bf16-mixed where the CPU computes bf16 natively)."""
     ref = rows[target_name]
     lines = [f"| configuration | draws | mean test acc | worst draw | mean − {target_name}'s | worst − {target_name}'s "
