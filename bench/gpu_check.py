@@ -3,6 +3,7 @@ written to one markdown table (``gpu_check.md``) and one JSON (``gpu_check.json`
 run here is skipped with its reason; one that fails is reported with its error, and the command then exits 1.
 
     python bench/gpu_check.py --out gpu_check            # a GPU machine (under 8 minutes on one H100 is the aim)
+    python bench/gpu_check.py --out gpu_check --peak-tflops 989   # an H200, whose peak Fabric's table lacks
     python bench/gpu_check.py --dry-run --out /tmp/gc    # the same command on CPU, tiny sizes, one row of each kind
 
 Rows:
@@ -45,6 +46,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from data.demo import prepare_demo  # noqa: E402
+from fabric_utils.args import positive_float  # noqa: E402
 
 DEMO = Path.home() / ".cache" / "fabric-template" / "demo"
 SHIMS = {"FABRIC_TEMPLATE_DEEPSPEED_CPU": "1", "FABRIC_TEMPLATE_FP16_CPU": "1", "FABRIC_TEMPLATE_FSDP_CPU": "1"}
@@ -248,6 +250,10 @@ def plan(args, sizes: Sizes, work: Path) -> list[Row]:
                 row.skip("dry run: one row of each kind on CPU")
             # the CUDA-only paths (16-mixed, DeepSpeed) through the tests' CPU stand-ins
             row.env = {**SHIMS, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests" / "shims"), str(ROOT)])}
+    if args.peak_tflops:  # a half-precision peak: the 32-true rows keep Fabric's own (TF32's) or none
+        for row in rows:
+            if "bf16-mixed" in row.flags or "16-mixed" in row.flags:
+                row.flags += ["--peak-tflops", str(args.peak_tflops)]
     return rows
 
 
@@ -315,22 +321,20 @@ def run_row(row: Row, out: Path, env: dict) -> None:
         shutil.rmtree(run / bulky, ignore_errors=True)
 
 
-def compare(rows: list[Row]) -> None:
-    """Notes each MiniLM row's losses against 32-true's, and each multi-GPU row's accuracy against one GPU's."""
-    by_name = {(row.section, row.name): row for row in rows}
-    reference = by_name[(MINILM, "32-true")]
-    for row in rows:
-        if row.section == MINILM and row is not reference and row.first_losses and reference.first_losses:
-            n = min(len(row.first_losses), len(reference.first_losses))
-            gap = max(abs(a - b) for a, b in zip(row.first_losses[:n], reference.first_losses[:n]))
-            row.notes.append(f"first {n} losses within {gap:.2g} of 32-true's")
-    one_gpu = by_name[(MINILM, "bf16-mixed")]
-    for row in rows:
-        if row.section.startswith("2+ GPUs") and row.status == "measured" and one_gpu.status == "measured":
-            bar = one_gpu.results["test_acc"] - ACCURACY_TOLERANCE
-            row.ok = row.results["test_acc"] >= bar
-            row.notes.append(f"test acc {'>=' if row.ok else '<'} one GPU's {one_gpu.results['test_acc']:.3f} "
-                             f"- {ACCURACY_TOLERANCE}")
+def compare(row: Row, rows: list[Row]) -> None:
+    """Notes a MiniLM row's losses against 32-true's, or a multi-GPU row's accuracy against one GPU's: the rows
+    compared with run first, so the notes are written with the row, and a run cut short keeps them."""
+    by_name = {(other.section, other.name): other for other in rows}
+    reference, one_gpu = by_name[(MINILM, "32-true")], by_name[(MINILM, "bf16-mixed")]
+    if row.section == MINILM and row is not reference and row.first_losses and reference.first_losses:
+        n = min(len(row.first_losses), len(reference.first_losses))
+        gap = max(abs(a - b) for a, b in zip(row.first_losses[:n], reference.first_losses[:n]))
+        row.notes.append(f"first {n} losses within {gap:.2g} of 32-true's")
+    if row.section.startswith("2+ GPUs") and row.status == "measured" and one_gpu.status == "measured":
+        bar = one_gpu.results["test_acc"] - ACCURACY_TOLERANCE
+        row.ok = row.results["test_acc"] >= bar
+        row.notes.append(f"test acc {'>=' if row.ok else '<'} one GPU's {one_gpu.results['test_acc']:.3f} "
+                         f"- {ACCURACY_TOLERANCE}")
 
 
 def cell(value, fmt: str) -> str:
@@ -367,6 +371,9 @@ def main(argv=None) -> int:
     p.add_argument("--dry-run", action="store_true", help="CPU stand-ins, tiny sizes: checks the command itself")
     p.add_argument("--dataset", type=Path, help="a local dataset folder for the MiniLM rows, e.g. IMDB "
                                                 "(default: the offline demo's synthetic reviews)")
+    p.add_argument("--peak-tflops", type=positive_float,
+                   help="the GPU's dense bf16 TFLOP/s, for MFU where Fabric does not know the GPU (it names it in a "
+                        "'FLOPs not found' warning): an H200's is 989")
     args = p.parse_args(argv)
     if not args.dry_run and not torch.cuda.is_available():
         p.error("no CUDA GPU here: run it on a GPU machine, or --dry-run to check the command on CPU")
@@ -392,8 +399,8 @@ def main(argv=None) -> int:
         if row.status != "skipped":
             print(f"{row.section} / {row.name} ...", flush=True)
             run_row(row, args.out, env)
+            compare(row, rows)
             write_report()  # after every row: a lease that ends mid-run still leaves the rows it measured
-    compare(rows)
     print(write_report())
     failed = [f"{row.section} / {row.name}" for row in rows if not row.ok]
     if failed:

@@ -18,9 +18,10 @@ def test_auto_precision_on_this_gpu():
 def test_fp16_mixed_uses_a_loss_scaler_and_trains(tmp_path):
     fabric = build_fabric_from_flags("--accelerator", "cuda", "--devices", "1", "--precision", "16-mixed")
     assert fabric.strategy.precision.scaler is not None
-    results = train(["--accelerator", "cuda", "--devices", "1", "--precision", "16-mixed", *SMALL_DEMO,
-                     "--epochs", "3"], tmp_path)
-    assert results["precision"] == "16-mixed" and results["test_acc"] > 0.8
+    # the whole demo, as test_train holds it to on CPU: the small slice stays near chance in any precision
+    results = train(["--accelerator", "cuda", "--devices", "1", "--precision", "16-mixed", "--demo", "--quiet"],
+                    tmp_path)
+    assert results["precision"] == "16-mixed" and results["test_acc"] >= 0.9
 
 
 @pytest.mark.parametrize("strategy", ["deepspeed_stage_2", "deepspeed_stage_3"])

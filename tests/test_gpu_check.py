@@ -15,7 +15,7 @@ SECTIONS = ["one GPU: all-MiniLM-L6-v2, pretrained", "one GPU: random weights, l
 
 
 def test_the_dry_run_writes_every_row_measured_or_skipped_with_a_reason(tmp_path):
-    run([sys.executable, "bench/gpu_check.py", "--dry-run", "--out", str(tmp_path)])
+    run([sys.executable, "bench/gpu_check.py", "--dry-run", "--out", str(tmp_path), "--peak-tflops", "1"])
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     rows = report["rows"]
     assert [section for section in dict.fromkeys(row["section"] for row in rows)] == SECTIONS
@@ -28,6 +28,8 @@ def test_the_dry_run_writes_every_row_measured_or_skipped_with_a_reason(tmp_path
         assert row["results"]["train_samples_per_s"] > 0 and 0 <= row["results"]["test_acc"] <= 1
     assert measured["ddp"]["results"]["world_size"] == 2
     assert measured["32-true"]["steady_samples_per_s"] > 0  # the one-GPU rows' rate without the first step
+    # --peak-tflops is a half-precision peak: a CPU has none of its own, so only those rows get an MFU
+    assert measured["bf16-mixed"]["results"]["mfu"] > 0 and measured["32-true"]["results"]["mfu"] is None
     assert measured["16-mixed"]["results"]["precision"] == "16-mixed"  # the CPU shim's real fp16, not bf16
     assert any("steps skipped by the loss scaler" in note for note in measured["16-mixed"]["notes"])
     assert any("losses within" in note for note in measured["bf16-mixed"]["notes"])
