@@ -132,6 +132,7 @@ def run_one(name: str, seed: int, order: int, train_size: int, args) -> dict | N
     elif args.summarise_only:
         return None
     else:
+        shutil.rmtree(out_dir, ignore_errors=True)  # a run the study's stop cut short: train.py refuses its folder
         common = ["--dataset", args.dataset, "--model", args.model or default_model(), "--train-size", str(train_size),
                   "--val-size", str(args.val_size), "--test-size", str(args.test_size),
                   "--max-length", str(args.max_length), "--epochs", str(args.epochs),

@@ -3,8 +3,11 @@
 import functools
 import json
 import os
+import signal
 import sys
 import time
+
+RANK_ZERO_REPORTS_WITHIN_S = 10  # what a loaded machine can put between two ranks reaching the same check
 
 
 class PeerLost(Exception):
@@ -29,7 +32,13 @@ def exit_on_user_error(main):
             return main(*args, **kwargs)
         except UserError as err:
             line = f"error (rank {err.rank}): {err}" if err.rank else f"error: {err}"
-            if err.rank is not None or _global_rank() == 0:
+            under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ
+            if err.rank is None and _global_rank() != 0 and under_torchrun:
+                # torchrun stops every worker once one exits: rank 0 gets the time to report what all found first,
+                # and this rank reports it only if it is still running then (rank 0 may be on another node)
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                time.sleep(RANK_ZERO_REPORTS_WITHIN_S)
+            if err.rank is not None or _global_rank() == 0 or under_torchrun:
                 print(line, file=sys.stderr, flush=True)
             if error_file := os.environ.get("TORCHELASTIC_ERROR_FILE"):  # torchrun reports it as the cause
                 record = {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}

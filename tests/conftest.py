@@ -114,6 +114,23 @@ def fabric_cli() -> str:
     return str(Path(sys.executable).with_name("fabric"))
 
 
+def signal_when_saved(jobs: dict, timeout=300, or_later=False) -> None:
+    """Polls every job at once until its checkpoint folder exists, and sends the job its signal (None: none) as soon
+    as it does: waiting for one job after another would let a later one finish unseen."""
+    deadline = time.monotonic() + timeout
+    while jobs:
+        for job, (path, signum) in list(jobs.items()):
+            if path.exists() or or_later and any(later.name > path.name for later in path.parent.glob("step-*")):
+                if signum is not None:
+                    job.proc.send_signal(signum)
+                del jobs[job]
+                continue
+            assert job.proc.poll() is None, (f"run ended (exit {job.proc.returncode}) before {path} appeared\n"
+                                             f"{job.output()[-3000:]}")
+            assert time.monotonic() < deadline, f"{path} did not appear within {timeout} s"
+        time.sleep(0.01)
+
+
 class Job:
     """``python train.py ...`` running in the background, its output in ``<out_dir>.log``."""
 
@@ -144,12 +161,7 @@ class Job:
     def wait_for(self, path: Path, timeout=300, or_later=False) -> None:
         """Polls until ``path`` exists (``or_later``: or a later step checkpoint beside it); fails if the run ends
         first. A poll on a loaded machine can come after --keep-last has pruned the step checkpoint it waits for."""
-        deadline = time.monotonic() + timeout
-        while not (path.exists() or or_later and any(later.name > path.name for later in path.parent.glob("step-*"))):
-            assert self.proc.poll() is None, (f"run ended (exit {self.proc.returncode}) before {path} appeared\n"
-                                              f"{self.output()[-3000:]}")
-            assert time.monotonic() < deadline, f"{path} did not appear within {timeout} s"
-            time.sleep(0.01)
+        signal_when_saved({self: (path, None)}, timeout, or_later)
 
     def kill_after(self, checkpoint: str, rank: int | None = None) -> None:
         """SIGKILL once ``checkpoints/<checkpoint>`` or a later one exists: to every process of the run, as a lost

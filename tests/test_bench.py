@@ -46,3 +46,17 @@ def test_hf_trainer_schedules_as_train_py_does(name):
         for scheduler in (ours, trainer):
             scheduler.optimizer.step()
             scheduler.step()
+
+
+def test_a_study_reruns_a_run_its_stop_cut_short(tmp_path, monkeypatch):
+    """A study continued after a stop runs the run it cut short again, in a cleared folder: train.py refuses a
+    folder that holds a run (a checkpoint, no results.json)."""
+    from bench import study
+    args = study.parse_args(["--configs", "default", "--runs-dir", str(tmp_path)])
+    out_dir = study.run_dir("default", 1, 1, 600, args)
+    (out_dir / "checkpoints").mkdir(parents=True)
+    folders_at_start = []
+    monkeypatch.setattr(study, "run_process",
+                        lambda cmd, out: folders_at_start.append(sorted(out.glob("*"))) or {"failed": 1})
+    assert study.run_one("default", 1, 1, 600, args) == {"failed": 1}
+    assert folders_at_start == [[]]

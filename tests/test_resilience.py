@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import Job, kill_all, logged, resumed_step, subprocess_env
+from conftest import Job, kill_all, logged, resumed_step, signal_when_saved, subprocess_env
 
 EXIT_PREEMPTED = 75
 STEPS_PER_EPOCH = 50  # 800 rows / 16 per batch
@@ -57,10 +57,9 @@ def runs(tmp_path_factory):
             "nonfinite": Job(root / "nonfinite", *TINY, "--lr", "1e6", "--grad-clip", "0", "--max-steps", "40")}
 
     killed, termed = jobs["killed"], jobs["termed"]
-    killed.wait_for(root / "killed" / "checkpoints" / "step-000020")  # rename: the folder is complete once seen
-    killed.proc.send_signal(signal.SIGKILL)
-    termed.wait_for(root / "termed" / "checkpoints" / "step-000020")
-    termed.proc.send_signal(signal.SIGTERM)
+    # each is signalled once its own checkpoint is seen (written by a rename: whole once seen)
+    signal_when_saved({killed: (root / "killed" / "checkpoints" / "step-000020", signal.SIGKILL),
+                       termed: (root / "termed" / "checkpoints" / "step-000020", signal.SIGTERM)})
     info = {"killed_rc": killed.wait(), "killed_steps": step_dirs(root / "killed"),
             "killed_results": (root / "killed" / "results.json").exists(),
             "termed_rc": termed.wait(), "termed_output": termed.output(), "termed_steps": step_dirs(root / "termed")}

@@ -1,6 +1,8 @@
 """The launcher builds the right Fabric pieces from flags, alone and under `fabric run`."""
 
+import sys
 import typing
+from pathlib import Path
 
 import lightning.fabric.fabric
 import pytest
@@ -255,3 +257,14 @@ def test_fabric_run_conflict_end_to_end(tmp_path):
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "remove --devices" in errors[0]
     assert not (tmp_path / "run" / "config.yaml").exists()
+
+
+def test_an_error_every_rank_finds_is_one_line_under_torchrun_when_rank_zero_is_slowest():
+    """torchrun stops the other workers within a tenth of a second of the first exit: rank 0, a second behind,
+    still reports the error, once."""
+    job = Path(__file__).with_name("shared_error_job.py")
+    result = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(job),
+                  "1"], check=False, timeout=120)
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert errors == ["error: the same bad input on every rank"]
