@@ -32,10 +32,10 @@ from fabric_utils.task_spec import TaskSpec
 # short run, and the lowest peak a longer run falls to. Smaller encoders fine-tune at larger rates. 384 and below:
 # measured on all-MiniLM-L6-v2, down to the Hugging Face Trainer's 5e-5; up to 768 (base size): the published
 # DistilBERT and BERT recipes; wider (large): inside BERT's and RoBERTa-large's fine-tuning grids
-LR_BY_WIDTH = ((384, 1.5e-4, 5e-5), (768, 5e-5, 5e-5), (float("inf"), 2e-5, 2e-5))
+LR_BY_WIDTH = ((384, 1.2e-4, 5e-5), (768, 5e-5, 5e-5), (float("inf"), 2e-5, 2e-5))
 # beyond this many optimizer steps the peak falls as the square root of the run's length: a long run at a short
 # run's peak can leave a small model at chance
-SHORT_RUN_STEPS = 40
+SHORT_RUN_STEPS = 62
 # LoRA trains a few small matrices, B from zero: it needs a far larger rate than full fine-tuning, but not so large
 # that a draw stays at chance
 LORA_LR = 2e-3
@@ -227,7 +227,7 @@ def load_model_config(source: str):
 
 
 def rate(lr: float) -> str:
-    """A learning rate as --help writes it: 1.5e-4, 5e-5."""
+    """A learning rate as --help writes it: 1.2e-4, 5e-5."""
     return f"{lr:.1e}".replace(".0e", "e").replace("e-0", "e-")
 
 

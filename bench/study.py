@@ -319,9 +319,10 @@ def main(argv=None):
         print(text, flush=True)
         tables.append(text)
     if args.report:
-        Path(args.report).with_suffix(".md").write_text("\n\n".join(tables) + "\n")
-        Path(args.report).with_suffix(".json").write_text(json.dumps({"args": vars(args), "machine": machine(), "results": raw,
-                                                                 "draws": draws}, indent=1))
+        # the name as given plus the suffix: a rate in it (lr1.2e-4) holds a dot that with_suffix would cut at
+        Path(f"{args.report}.md").write_text("\n\n".join(tables) + "\n")
+        Path(f"{args.report}.json").write_text(json.dumps({"args": vars(args), "machine": machine(), "results": raw,
+                                                           "draws": draws}, indent=1))
 
 
 if __name__ == "__main__":
