@@ -1,4 +1,4 @@
-"""The benchmark scripts' own logic: the Trainer row's model settings and schedule."""
+"""The benchmark scripts' own logic: the Trainer row's model settings and schedule, a study continued after a stop."""
 
 import sys
 from pathlib import Path
@@ -52,7 +52,7 @@ def test_a_study_reruns_a_run_its_stop_cut_short(tmp_path, monkeypatch):
     """A study continued after a stop runs the run it cut short again, in a cleared folder: train.py refuses a
     folder that holds a run (a checkpoint, no results.json)."""
     from bench import study
-    args = study.parse_args(["--configs", "default", "--runs-dir", str(tmp_path)])
+    args = study.parse_args(["--configs", "default", "--runs-dir", str(tmp_path), "--model", "unused"])
     out_dir = study.run_dir("default", 1, 1, 600, args)
     (out_dir / "checkpoints").mkdir(parents=True)
     folders_at_start = []
