@@ -1,4 +1,5 @@
 import csv
+import functools
 import json
 import os
 import re
@@ -114,19 +115,20 @@ def fabric_cli() -> str:
     return str(Path(sys.executable).with_name("fabric"))
 
 
-def signal_when_saved(jobs: dict, timeout=300, or_later=False) -> None:
-    """Polls every job at once until its checkpoint folder exists, and sends the job its signal (None: none) as soon
-    as it does: waiting for one job after another would let a later one finish unseen."""
-    deadline = time.monotonic() + timeout
-    while jobs:
-        for job, (path, signum) in list(jobs.items()):
+def when_saved(jobs: dict, timeout=300, or_later=False) -> None:
+    """Polls jobs that run together until each one's ``path`` exists (``or_later``: or a later step checkpoint beside
+    it), and calls that job's ``action`` (None: none) as soon as it does: waiting on one job after another would let a
+    faster one finish unseen. ``jobs``: job -> (path, action). Fails if a job ends first."""
+    deadline, waiting = time.monotonic() + timeout, dict(jobs)
+    while waiting:
+        for job, (path, action) in list(waiting.items()):
             if path.exists() or or_later and any(later.name > path.name for later in path.parent.glob("step-*")):
-                if signum is not None:
-                    job.proc.send_signal(signum)
-                del jobs[job]
+                del waiting[job]
+                if action is not None:
+                    action()
                 continue
-            assert job.proc.poll() is None, (f"run ended (exit {job.proc.returncode}) before {path} appeared\n"
-                                             f"{job.output()[-3000:]}")
+            assert job.proc.poll() is None, (f"run ended (exit {job.proc.returncode}) before {path} appeared"
+                                             f"\n{job.output()[-3000:]}")
             assert time.monotonic() < deadline, f"{path} did not appear within {timeout} s"
         time.sleep(0.01)
 
@@ -161,7 +163,7 @@ class Job:
     def wait_for(self, path: Path, timeout=300, or_later=False) -> None:
         """Polls until ``path`` exists (``or_later``: or a later step checkpoint beside it); fails if the run ends
         first. A poll on a loaded machine can come after --keep-last has pruned the step checkpoint it waits for."""
-        signal_when_saved({self: (path, None)}, timeout, or_later)
+        when_saved({self: (path, None)}, timeout, or_later)
 
     def kill_after(self, checkpoint: str, rank: int | None = None) -> None:
         """SIGKILL once ``checkpoints/<checkpoint>`` or a later one exists: to every process of the run, as a lost
@@ -200,15 +202,8 @@ class Job:
 def kill_each_after(jobs: list, checkpoint: str, timeout=300) -> None:
     """``Job.kill_after`` for jobs that run together: each is killed as soon as its own checkpoint appears, so a
     faster one cannot finish while the test waits on a slower one."""
-    deadline, waiting = time.monotonic() + timeout, list(jobs)
-    while waiting:
-        for job in [job for job in waiting if (job.out_dir / "checkpoints" / checkpoint).exists()]:
-            waiting.remove(job)
-            os.killpg(job.proc.pid, signal.SIGKILL)
-        for job in waiting:
-            assert job.proc.poll() is None, f"{job.command} ended before {checkpoint}\n{job.output()[-3000:]}"
-        assert time.monotonic() < deadline, f"no {checkpoint} within {timeout} s"
-        time.sleep(0.01)
+    kill = {job: functools.partial(os.killpg, job.proc.pid, signal.SIGKILL) for job in jobs}
+    when_saved({job: (job.out_dir / "checkpoints" / checkpoint, kill[job]) for job in jobs}, timeout)
     for job in jobs:
         job.wait_killed()
         # on a loaded machine the poll can come a few steps late, after the job wrote later checkpoints (a CI run

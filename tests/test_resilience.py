@@ -9,11 +9,12 @@ import re
 import signal
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
 
-from conftest import Job, kill_all, logged, resumed_step, signal_when_saved, subprocess_env
+from conftest import Job, kill_all, logged, resumed_step, subprocess_env, when_saved
 
 EXIT_PREEMPTED = 75
 STEPS_PER_EPOCH = 50  # 800 rows / 16 per batch
@@ -58,8 +59,8 @@ def runs(tmp_path_factory):
 
     killed, termed = jobs["killed"], jobs["termed"]
     # each is signalled once its own checkpoint is seen (written by a rename: whole once seen)
-    signal_when_saved({killed: (root / "killed" / "checkpoints" / "step-000020", signal.SIGKILL),
-                       termed: (root / "termed" / "checkpoints" / "step-000020", signal.SIGTERM)})
+    when_saved({job: (job.out_dir / "checkpoints" / "step-000020", partial(job.proc.send_signal, signum))
+                for job, signum in ((killed, signal.SIGKILL), (termed, signal.SIGTERM))})
     info = {"killed_rc": killed.wait(), "killed_steps": step_dirs(root / "killed"),
             "killed_results": (root / "killed" / "results.json").exists(),
             "termed_rc": termed.wait(), "termed_output": termed.output(), "termed_steps": step_dirs(root / "termed")}
