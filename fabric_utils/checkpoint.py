@@ -10,6 +10,7 @@ import pickle
 import random
 import re
 import shutil
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -215,13 +216,17 @@ def load_checkpoint(fabric, path: Path, state: dict, expected_fingerprint: dict 
         raise UserError(f"checkpoint {path} holds the shards of {written_by} processes, which "
                         f"{type(fabric.strategy).__name__} cannot reshard for {fabric.world_size}: resume on "
                         f"{written_by} (ddp and fsdp2 checkpoints resume on any number of devices)")
+    damaged = (f"cannot restore checkpoint {path}: its state file is damaged or was not written by train.py; pass "
+               f"another --resume or start a new --out-dir")
+    # torch.save writes a zip archive; unpickling other bytes fails with any error, not only UnpicklingError
+    if (path / "state").is_file() and not zipfile.is_zipfile(path / "state"):
+        raise UserError(damaged)
     target = with_loss_scaler(fabric, state)  # fabric.load restores it in place, in the plugin
     live = {key: obj for key, obj in target.items() if hasattr(obj, "load_state_dict")}
     try:
         fabric.load(path / "state", target, weights_only=True)
     except pickle.UnpicklingError as err:  # torch's own message suggests weights_only=False: not the fix for this
-        raise UserError(f"cannot restore checkpoint {path}: its state file is damaged or was not written by "
-                        f"train.py; pass another --resume or start a new --out-dir") from err
+        raise UserError(damaged) from err
     except Exception as err:  # torch, safetensors and DeepSpeed each raise their own kinds for a bad file
         message = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise UserError(f"cannot restore checkpoint {path}: {message[:300]} (is it from another model or "

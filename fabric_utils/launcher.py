@@ -90,21 +90,23 @@ def resolve_launch_settings(flags: dict) -> dict:
 
 
 def auto_precision(accelerator: str, strategy: str = "auto") -> str:
-    """bf16 autocast where the hardware runs it faster than fp32 (GPUs with native bf16, CPUs with AMX), fp16 with loss
-    scaling on older GPUs (fp32 under fsdp2: it has no loss scaler), else fp32."""
+    """bf16 autocast where the hardware runs it faster than fp32 (GPUs with native bf16, CPUs with fast bf16), fp16 with
+    loss scaling on older GPUs (fp32 under fsdp2: it has no loss scaler), else fp32."""
     if accelerator in ("cuda", "gpu") or (accelerator == "auto" and torch.cuda.is_available()):
         if torch.cuda.is_bf16_supported(including_emulation=False):  # by default it counts V100 and T4, which emulate
             return "bf16-mixed"
         return "32-true" if strategy == FSDP2 else "16-mixed"
-    return "bf16-mixed" if accelerator in ("cpu", "auto") and cpu_has_amx() else "32-true"
+    return "bf16-mixed" if accelerator in ("cpu", "auto") and cpu_has_fast_bf16() else "32-true"
 
 
-def cpu_has_amx() -> bool:
-    """AMX: on CPUs without it (AVX512-BF16 alone included), bf16-mixed trains slower than fp32."""
+def cpu_has_fast_bf16(cpuinfo: str | None = None) -> bool:
+    """Intel's AMX or AMD's AVX512-BF16, where bf16-mixed trains faster than fp32; on an Intel CPU with AVX512-BF16
+    and no AMX it trained slower."""
     try:
-        return "amx_bf16" in Path("/proc/cpuinfo").read_text().split()
+        flags = set((cpuinfo if cpuinfo is not None else Path("/proc/cpuinfo").read_text()).split())
     except OSError:  # not Linux: no cheap way to tell, and fp32 is the safe choice
         return False
+    return "amx_bf16" in flags or {"AuthenticAMD", "avx512_bf16"} <= flags
 
 
 def build_fabric(accelerator=None, devices=None, num_nodes=None, strategy=None, precision=None, grad_clip=0.0,

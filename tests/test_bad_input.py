@@ -139,7 +139,7 @@ def build_cases(tmp: Path) -> tuple[list, dict]:
         damaged.mkdir(parents=True)
         (damaged / "record.json").symlink_to(good_ckpt / "record.json")
         (damaged / "rng-rank0.pt").write_bytes(b"garbage")
-    (corrupt / "state").write_bytes(os.urandom(4096))
+    (corrupt / "state").write_bytes(random.Random(2).randbytes(4096))  # bytes that unpickle to an IndexError
     (bad_rng / "state").symlink_to(good_ckpt / "state")
     (corrupt / "manifest.json").write_text(json.dumps({"state": 4096, "rng-rank0.pt": 7}))
     (bad_rng / "manifest.json").write_text(json.dumps({"rng-rank0.pt": 7}))

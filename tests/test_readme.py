@@ -149,7 +149,7 @@ def test_the_speed_pages_rows_are_the_study_reports():
     """Each row of docs/speed.md's same-rows table names a bench/study.py report: its accuracies (mean and worst
     draw) and its time ratio (median draw) are recomputed from the report's per-draw numbers."""
     rows = [line.split("|")[2:-1] for line in (REPO / "docs" / "speed.md").read_text().splitlines()
-            if re.match(r"\| [^|]+ \| `docs/studies/study_\w+\.json` \|", line)]
+            if re.match(r"\| [^|]+ \| `docs/studies/study_[\w.-]+\.json` \|", line)]
     assert len(rows) >= 3
     for report, recipe_acc, default_acc, time in rows:
         recipe, ours = study(report.strip(" `"))
@@ -217,7 +217,7 @@ def test_the_time_to_accuracy_tables_accuracies_are_the_reports():
     reports it names."""
     text = (REPO / "docs" / "speed.md").read_text()
     section = text[text.index("## Time to accuracy"):text.index("## Per technique")]
-    reports = re.findall(r"`(docs/studies/study_\w+\.json)`", section)
+    reports = re.findall(r"`(docs/studies/study_[\w.-]+\.json)`", section)
     known = set()
     for report in reports:
         for setting in json.loads((REPO / report).read_text())["settings"].values():

@@ -201,7 +201,7 @@ def test_auto_precision(monkeypatch, cuda, cuda_bf16, cpu_bf16, expected):
         fake_gpu(monkeypatch, native_bf16=cuda_bf16)
     else:
         monkeypatch.setattr(launcher.torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(launcher, "cpu_has_amx", lambda: cpu_bf16)
+    monkeypatch.setattr(launcher, "cpu_has_fast_bf16", lambda: cpu_bf16)
     assert launcher.auto_precision("auto") == expected
     assert launcher.resolve_launch_settings(vars(parse_args([])))["precision"] == expected
 
@@ -215,10 +215,19 @@ def test_bf16_precision_on_a_gpu_that_only_emulates_it_is_a_user_error(monkeypat
     launcher.check_precision_supported(precision, built=precision, device=torch.device("cuda"))
 
 
-def test_auto_precision_on_this_cpu_follows_its_flags():
-    flags = open("/proc/cpuinfo").read().split()
-    expected = "bf16-mixed" if "amx_bf16" in flags else "32-true"  # AVX512-BF16 alone trained slower than fp32
-    assert launcher.auto_precision("cpu") == expected
+@pytest.mark.parametrize("vendor, flags, fast", [
+    ("GenuineIntel", "avx512f amx_bf16 amx_tile avx512_bf16", True),
+    ("GenuineIntel", "avx512f avx512_bf16", False),  # trained slower than fp32
+    ("AuthenticAMD", "avx512f avx512_bf16", True),
+    ("AuthenticAMD", "avx2", False),
+])
+def test_fast_bf16_on_a_cpu_is_amx_or_amd_avx512_bf16(vendor, flags, fast):
+    assert launcher.cpu_has_fast_bf16(f"vendor_id\t: {vendor}\nflags\t\t: fpu sse2 {flags}\n") is fast
+
+
+def test_auto_precision_on_this_cpu_follows_its_cpuinfo():
+    fast = launcher.cpu_has_fast_bf16(open("/proc/cpuinfo").read())
+    assert launcher.auto_precision("cpu") == ("bf16-mixed" if fast else "32-true")
 
 
 def fabric_run_env(monkeypatch, **settings):
