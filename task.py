@@ -145,7 +145,9 @@ def setup(args: argparse.Namespace, verbose: bool) -> TaskSpec:
               "problem_type": data.problem_type, "--dataset": "--demo" if args.demo else dataset,
               "--max-length": args.max_length, "--train-size": args.train_size, "--data-seed": data_seed},
         sizes={name: split["length"] for name, split in data.splits.items()}, row_sizes=row_lengths,
-        max_size=args.max_length, notes=data.notes, chance_loss=objective.chance_loss(data.splits["train"]["labels"]),
+        max_size=args.max_length, notes=data.notes,
+        chance_loss={name: objective.chance_loss(data.splits[name]["labels"], fitted_on=data.splits["train"]["labels"])
+                     for name in ("train", "validation")},
         default_lr=lambda steps: learning_rate_for(load_model_config(data.model_source), steps, lora=bool(args.lora_r),
                                                    demo=args.demo),
         chosen=chosen)
@@ -374,19 +376,20 @@ class ClassifierObjective:
     def is_better(self, value: float, best: float | None) -> bool:
         return best is None or (value > best if self.higher_is_better else value < best)
 
-    def chance_loss(self, labels) -> float:
-        """The loss of the best output that ignores the inputs, on these labels: their distribution's entropy
-        (single_label; each label's, averaged, for multi_label) or their variance (regression)."""
+    def chance_loss(self, labels, fitted_on) -> float:
+        """The loss on ``labels`` of the best output that ignores the inputs, fitted on the labels ``fitted_on``: their
+        class shares (single_label; each label's share for multi_label) or their mean (regression). On the rows it
+        was fitted on, that is their entropy or their variance."""
         import torch
 
-        labels = torch.as_tensor(labels).double()
+        labels, fitted_on = torch.as_tensor(labels).double(), torch.as_tensor(fitted_on).double()
         if self.problem_type == "regression":
-            return labels.var(dim=0, correction=0).mean().item()
+            return (labels - fitted_on.mean(dim=0)).square().mean().item()
         if self.problem_type == "single_label":
-            p = torch.bincount(labels.long(), minlength=self.num_labels) / len(labels)
-            return -(p * p.log()).nan_to_num().sum().item()  # nan_to_num: 0 log 0 is 0
-        p = labels.mean(dim=0)  # each label's share of the rows
-        return -(p * p.log() + (1 - p) * (1 - p).log()).nan_to_num().mean().item()
+            p, q = (torch.bincount(y.long(), minlength=self.num_labels) / len(y) for y in (fitted_on, labels))
+            return -(q * p.log()).nan_to_num().sum().item()  # nan_to_num: 0 log 0 is 0
+        p, q = fitted_on.mean(dim=0), labels.mean(dim=0)  # each label's share of the rows
+        return -(q * p.log() + (1 - q) * (1 - p).log()).nan_to_num().mean().item()
 
     def predict(self, logits: torch.Tensor, batch: dict) -> dict[str, torch.Tensor]:
         """Each row's label (where the batch has labels), prediction and score, as the metrics see them: the class

@@ -272,6 +272,7 @@ def fit(fabric, args, state, loaders, preemption, ckpt_dir, max_steps, steps_per
                 with monitor.paused():  # the throughput clock counts training time only
                     val = validate(fabric, model, loaders["validation"], objective=objective, step=step,
                                    show=progress.note)
+                    warn_if_stuck(progress, val["loss"], step, max_lr=args.lr)
                     if objective.is_better(val[objective.best_metric], state["best_val"].get(objective.best_metric)):
                         state["best_val"], stale = val, 0  # the best model so far is kept as checkpoints/best
                         best = {"model": model, "fingerprint": state["fingerprint"], "step": step}
@@ -301,10 +302,16 @@ def log_step(fabric, progress, monitor, step, lr, max_lr) -> None:
                         f"keep --grad-clip on, or use --precision bf16-mixed/32-true")
     monitor.log(step)  # throughput and MFU, to the loggers
     progress.show()
-    if progress.stuck_at_chance():
-        say(f"the training loss stayed at chance level ({progress.chance_loss:.3g}: what a model that ignores its "
-            f"inputs scores) over the last quarter of the run, up to step {step}: it learned little if anything; try "
-            f"a lower --lr (now {max_lr:g}) if the loss jumped there at once, else a higher one or more --epochs")
+
+
+def warn_if_stuck(progress, val_loss, step, max_lr) -> None:
+    """At the run's end: one line if its training and validation losses are where ignoring the inputs is."""
+    if progress.stuck_at_chance(val_loss):
+        chance = progress.chance_loss
+        say(f"the training loss stayed at chance level ({chance['train']:.3g}: what a model that ignores its inputs "
+            f"scores) over the last quarter of the run, and the validation loss ended there too ({val_loss:.3g} "
+            f"against {chance['validation']:.3g}), up to step {step}: it has not learned; try a lower --lr "
+            f"(now {max_lr:g}) if the loss jumped there at once, else a higher one or more --epochs")
 
 
 def validate(fabric, model, loader, objective, step, show) -> dict:

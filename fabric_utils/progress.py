@@ -42,7 +42,7 @@ class Progress:
     and shown on rank 0 with the step, epoch, rate and time left."""
 
     def __init__(self, fabric, total_steps: int, quiet: bool, metrics, steps_per_epoch: int | None = None,
-                 rows_per_step: int | None = None, start_step: int = 0, chance_loss: float | None = None):
+                 rows_per_step: int | None = None, start_step: int = 0, chance_loss: dict[str, float] | None = None):
         self.fabric = fabric
         self.chance_loss, self.losses = chance_loss, []  # the logged losses, for the stuck-at-chance check
         self.metrics = metrics.to(fabric.device)  # a torchmetrics collection; compute() sums over ranks
@@ -51,7 +51,7 @@ class Progress:
         self.enabled = fabric.is_global_zero and not quiet
         self.total, self.rows_per_step = total_steps, rows_per_step
         self.steps_per_epoch = steps_per_epoch or total_steps
-        self.start_step, self.start_time = start_step, time.monotonic()
+        self.start_step, self.step, self.start_time = start_step, start_step, time.monotonic()
         on_terminal = self.enabled and sys.stdout.isatty()  # where the log lines would go: a log file gets lines
         self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True,
                         file=sys.stdout) if on_terminal else None
@@ -79,13 +79,15 @@ class Progress:
         self.losses.append(logged["train/loss"])
         return logged
 
-    def stuck_at_chance(self) -> bool:
-        """True at the last log step if the mean loss over the run's last quarter is at chance level: at the end, as
-        some runs leave it late, and a mean, as one log step's loss can dip below it by chance."""
+    def stuck_at_chance(self, val_loss: float) -> bool:
+        """True at the last step if the mean training loss over the run's last quarter and the final validation loss
+        are both at chance level: at the end, as some runs leave it late; a mean, as one log step's loss can dip below
+        it by chance; and validation too, as a run that learned a little can keep its training loss there."""
         if self.chance_loss is None or self.step < self.total:
             return False
         last_quarter = self.losses[-max(1, len(self.losses) // 4):]
-        return sum(last_quarter) / len(last_quarter) >= STUCK_WITHIN * self.chance_loss
+        return (sum(last_quarter) / len(last_quarter) >= STUCK_WITHIN * self.chance_loss["train"]
+                and val_loss >= STUCK_WITHIN * self.chance_loss["validation"])
 
     def show(self) -> None:
         """The last logged step: the bar's numbers, or one line ``step 40/120 (epoch 1/3): loss 0.41, ... left``."""

@@ -70,7 +70,9 @@ class TaskSpec:
     # build_model's architecture alone, fp32, same names, no value read or drawn; None: each rank builds build_model()
     build_skeleton: Callable[[], torch.nn.Module] | None = None
     notes: list[str] = field(default_factory=list)  # what preparing the data did that a user should know
-    chance_loss: float | None = None  # the loss of ignoring the inputs: a run stuck there is warned; None: no check
+    # "train", "validation" -> the loss there of the best output that ignores the inputs (fitted on the training rows):
+    # a run that ends at it on both is warned; None: no check
+    chance_loss: dict[str, float] | None = None
     # optimizer steps -> the peak learning rate when --lr is not given (the run's length is known only after the
     # loaders); None: --lr has a default in the task's flags
     default_lr: Callable[[int], float] | None = None

@@ -156,8 +156,31 @@ def test_a_loss_gone_non_finite_on_one_rank_is_seen_by_every_rank(tmp_path):
 
 def test_a_run_that_never_leaves_chance_level_is_said_to_be_stuck(tmp_path):
     """At a far too high learning rate the loss stays where a model that ignores its inputs is: one line says so at
-    the run's last log step, and names --lr. The demo, which learns, never says it (test_train.py)."""
+    the run's end, and names --lr. The demo, which learns, never says it (test_train.py)."""
     done = run([sys.executable, "train.py", *SMALL_DEMO, "--lr", "1", "--max-steps", "24", "--log-every", "4",
                 "--out-dir", str(tmp_path)])
     said = [line for line in done.stdout.splitlines() if "chance level" in line]
     assert len(said) == 1 and "up to step 24:" in said[0] and "lower --lr (now 1)" in said[0], said
+
+
+def test_a_run_is_stuck_only_if_its_validation_loss_ends_at_chance_too():
+    """A training loss at chance over the last quarter is not enough: a run whose validation loss left chance has
+    learned a little, and is not told it did not. Judged once, at the last step."""
+    from lightning.fabric import Fabric
+
+    from fabric_utils.progress import Progress
+    from task import ClassifierObjective
+
+    def progress_at(loss: float) -> Progress:
+        progress = Progress(Fabric(accelerator="cpu", devices=1), total_steps=8, quiet=True,
+                            metrics=ClassifierObjective("single_label", num_labels=2).make_metrics(),
+                            chance_loss={"train": 0.693, "validation": 0.690})
+        for step in range(1, 9):
+            assert not progress.stuck_at_chance(val_loss=0.69)  # not before the end
+            progress.update(torch.tensor(loss), torch.zeros(4, 2), torch.zeros(4, dtype=torch.long))
+            progress.log(step, lr=1e-3)
+        return progress
+
+    at_chance = progress_at(0.693)
+    assert at_chance.stuck_at_chance(val_loss=0.69) and not at_chance.stuck_at_chance(val_loss=0.65)
+    assert not progress_at(0.6).stuck_at_chance(val_loss=0.69)  # the training loss left chance

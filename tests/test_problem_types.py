@@ -74,3 +74,36 @@ def test_problem_type_trains_end_to_end(tmp_path, base_model, problem_type):
     expected = {"multi_label": ("multi_label_classification", ["complaint", "plot", "praise"]),
                 "regression": ("regression", ["label"])}[problem_type]
     assert (exported["problem_type"], exported["labels"]) == expected
+
+
+@pytest.mark.parametrize("problem_type", ["single_label", "multi_label", "regression"])
+def test_chance_loss_is_what_the_best_constant_output_on_the_training_labels_scores(problem_type):
+    """The stuck-at-chance line compares a run's losses with ignoring the inputs: the constant output fitted on the
+    training labels, scored by the objective's own loss on the training rows and on others (validation's)."""
+    import torch
+
+    from task import ClassifierObjective
+
+    objective, g = ClassifierObjective(problem_type, num_labels=3), torch.Generator().manual_seed(0)
+    shares = torch.tensor([0.6, 0.3, 0.1])
+
+    def draw(rows: int) -> torch.Tensor:
+        if problem_type == "single_label":
+            return torch.multinomial(shares, rows, replacement=True, generator=g)
+        if problem_type == "multi_label":
+            return (torch.rand(rows, 3, generator=g) < shares).float()
+        return torch.rand(rows, generator=g)
+
+    def constant(fitted_on: torch.Tensor) -> torch.Tensor:  # the output for every row
+        if problem_type == "single_label":
+            return (torch.bincount(fitted_on, minlength=3) / len(fitted_on)).log()
+        return fitted_on.float().mean(dim=0).logit() if problem_type == "multi_label" else fitted_on.mean()
+
+    train_labels, val_labels = draw(400), draw(120)
+    output = constant(train_labels)
+    for labels in (train_labels, val_labels):
+        scored = objective.loss(output.expand(len(labels), *output.shape), {"labels": labels}).item()
+        assert objective.chance_loss(labels, fitted_on=train_labels) == pytest.approx(scored, rel=1e-5)
+    nudged = output + 0.05 * torch.linspace(1, -1, output.numel()).reshape(output.shape)  # another constant: worse
+    assert objective.loss(nudged.expand(len(train_labels), *output.shape), {"labels": train_labels}).item() > \
+        objective.chance_loss(train_labels, fitted_on=train_labels)
