@@ -20,6 +20,7 @@ import argparse
 import contextlib
 import copy
 import math
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -156,8 +157,9 @@ def setup(args: argparse.Namespace, verbose: bool) -> TaskSpec:
 def quiet_libraries(bars: bool, logs: bool) -> None:
     """datasets' progress bars (tokenizing a large dataset takes a while) only where wanted (``bars``); transformers'
     bars (loading and writing a model: a blink) and both libraries' logs only with ``logs`` (--verbose):
-    transformers' load report lists the fresh classification head as missing, as fine-tuning expects, and datasets
-    logs a file it cannot read before raising the error that stops the run in one line."""
+    transformers' load report lists the fresh classification head as missing, as fine-tuning expects, datasets
+    logs a file it cannot read before raising the error that stops the run in one line, and peft reads a property
+    transformers warns is deprecated on every model it adds LoRA to."""
     import datasets
     import transformers
 
@@ -167,6 +169,7 @@ def quiet_libraries(bars: bool, logs: bool) -> None:
         transformers.utils.logging.disable_progress_bar()
         transformers.utils.logging.set_verbosity_error()
         datasets.utils.logging.set_verbosity(datasets.utils.logging.CRITICAL)
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
 
 
 # ---- data ------------------------------------------------------------------------------------------------------------

@@ -308,10 +308,10 @@ def warn_if_stuck(progress, val_loss, step, max_lr) -> None:
     """At the run's end: one line if its training and validation losses are where ignoring the inputs is."""
     if progress.stuck_at_chance(val_loss):
         chance = progress.chance_loss
-        say(f"the training loss stayed at chance level ({chance['train']:.3g}: what a model that ignores its inputs "
-            f"scores) over the last quarter of the run, and the validation loss ended there too ({val_loss:.3g} "
-            f"against {chance['validation']:.3g}), up to step {step}: it has not learned; try a lower --lr "
-            f"(now {max_lr:g}) if the loss jumped there at once, else a higher one or more --epochs")
+        say(f"the training loss stayed at chance level ({chance['train']:.3g}, or just under: what a model that "
+            f"ignores its inputs scores) over the last quarter of the run, and the validation loss ended there too "
+            f"({val_loss:.3g} against {chance['validation']:.3g}), up to step {step}: it has not learned; try a lower "
+            f"--lr (now {max_lr:g}) if the loss jumped there at once, else a higher one or more --epochs")
 
 
 def validate(fabric, model, loader, objective, step, show) -> dict:

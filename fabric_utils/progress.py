@@ -34,7 +34,19 @@ def shows_bars(fabric, quiet: bool, verbose: bool) -> bool:
     return fabric.is_global_zero and not quiet and (verbose or sys.stderr.isatty())
 
 
-STUCK_WITHIN = 0.99  # a loss above 99% of chance level has not left it
+# a run has not learned if its validation loss ends above 99% of chance level and its training loss has not left
+# it either: above 95%, looser, as a run that stalled still fits its own rows a little
+STUCK_WITHIN = {"validation": 0.99, "train": 0.95}
+
+
+def at_chance(train_losses: list[float], val_loss: float, chance_loss: dict[str, float]) -> bool:
+    """Whether a finished run has not learned: the mean of the last quarter of its logged training losses and its
+    final validation loss are both at chance level (``chance_loss``'s "train" and "validation"). A mean, as one log
+    step's loss can dip below it by chance; validation too, as a run that learned a little can keep its training
+    loss there."""
+    last_quarter = train_losses[-max(1, len(train_losses) // 4):]
+    return (sum(last_quarter) / len(last_quarter) >= STUCK_WITHIN["train"] * chance_loss["train"]
+            and val_loss >= STUCK_WITHIN["validation"] * chance_loss["validation"])
 
 
 class Progress:
@@ -80,14 +92,11 @@ class Progress:
         return logged
 
     def stuck_at_chance(self, val_loss: float) -> bool:
-        """True at the last step if the mean training loss over the run's last quarter and the final validation loss
-        are both at chance level: at the end, as some runs leave it late; a mean, as one log step's loss can dip below
-        it by chance; and validation too, as a run that learned a little can keep its training loss there."""
+        """True at the last step if the run has not learned (``at_chance``): at the end, as some runs leave chance
+        late."""
         if self.chance_loss is None or self.step < self.total:
             return False
-        last_quarter = self.losses[-max(1, len(self.losses) // 4):]
-        return (sum(last_quarter) / len(last_quarter) >= STUCK_WITHIN * self.chance_loss["train"]
-                and val_loss >= STUCK_WITHIN * self.chance_loss["validation"])
+        return at_chance(self.losses, val_loss, self.chance_loss)
 
     def show(self) -> None:
         """The last logged step: the bar's numbers, or one line ``step 40/120 (epoch 1/3): loss 0.41, ... left``."""

@@ -156,16 +156,20 @@ def test_a_loss_gone_non_finite_on_one_rank_is_seen_by_every_rank(tmp_path):
 
 def test_a_run_that_never_leaves_chance_level_is_said_to_be_stuck(tmp_path):
     """At a far too high learning rate the loss stays where a model that ignores its inputs is: one line says so at
-    the run's end, and names --lr. The demo, which learns, never says it (test_train.py)."""
+    the run's end, and names --lr; bench/stuck_line.py, judging the run from its logs, agrees. The demo, which
+    learns, never says it (test_train.py)."""
     done = run([sys.executable, "train.py", *SMALL_DEMO, "--lr", "1", "--max-steps", "24", "--log-every", "4",
                 "--out-dir", str(tmp_path)])
     said = [line for line in done.stdout.splitlines() if "chance level" in line]
     assert len(said) == 1 and "up to step 24:" in said[0] and "lower --lr (now 1)" in said[0], said
+    judged = run([sys.executable, "bench/stuck_line.py", str(tmp_path)]).stdout  # the same rule, from the run's logs
+    assert f"| {tmp_path} |" in judged and judged.rstrip().endswith("| yes |"), judged
 
 
 def test_a_run_is_stuck_only_if_its_validation_loss_ends_at_chance_too():
     """A training loss at chance over the last quarter is not enough: a run whose validation loss left chance has
-    learned a little, and is not told it did not. Judged once, at the last step."""
+    learned a little, and is not told it did not. One whose validation loss did not is stuck, even if it fits its
+    own rows a little; one that fits them well is not stuck. Judged once, at the last step."""
     from lightning.fabric import Fabric
 
     from fabric_utils.progress import Progress
@@ -183,4 +187,5 @@ def test_a_run_is_stuck_only_if_its_validation_loss_ends_at_chance_too():
 
     at_chance = progress_at(0.693)
     assert at_chance.stuck_at_chance(val_loss=0.69) and not at_chance.stuck_at_chance(val_loss=0.65)
+    assert progress_at(0.67).stuck_at_chance(val_loss=0.69)  # just under chance: a stalled run
     assert not progress_at(0.6).stuck_at_chance(val_loss=0.69)  # the training loss left chance

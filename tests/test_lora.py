@@ -27,9 +27,10 @@ COMPARED = ("val_loss", "test_loss", "trainable_params", "total_params")
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """One process, 16 rows per step; checkpoints at steps 3 and 6."""
+    """One process, 16 rows per step; checkpoints at steps 3 and 6. Its results and what it wrote on stderr."""
     out = tmp_path_factory.mktemp("lora") / "one"
-    return out, train([*EXACT, "--batch-size", "16"], out)
+    done = run([sys.executable, "train.py", *EXACT, "--batch-size", "16", "--out-dir", str(out)])
+    return out, json.loads((out / "results.json").read_text()), done.stderr
 
 
 def exported_weights(out) -> dict:
@@ -37,7 +38,7 @@ def exported_weights(out) -> dict:
 
 
 def assert_same_run(out, results, reference):
-    ref_out, ref_results = reference
+    ref_out, ref_results, _ = reference
     for key in COMPARED:
         assert results[key] == pytest.approx(ref_results[key], rel=1e-4), key
     ours, theirs = exported_weights(out), exported_weights(ref_out)
@@ -47,7 +48,8 @@ def assert_same_run(out, results, reference):
 
 
 def test_lora_trains_a_small_part_and_exports_a_plain_model_with_the_adapters_merged(reference):
-    out, results = reference
+    out, results, stderr = reference
+    assert not stderr, stderr  # a quiet run shows nothing of the libraries underneath: no warnings
     assert 0 < results["trainable_params"] < results["total_params"] / 10
 
     exported = out / "model"
@@ -76,7 +78,7 @@ def test_lora_trains_a_small_part_and_exports_a_plain_model_with_the_adapters_me
 def test_resume_from_a_checkpoint_ends_with_the_same_adapters(reference, tmp_path):
     """The reference run's folder cut back to its step-3 checkpoint, then resumed: it must end where the
     uninterrupted run did."""
-    ref_out, _ = reference
+    ref_out, _, _ = reference
     out = tmp_path / "resumed"
     shutil.copytree(ref_out, out)
     for later in ("checkpoints/step-000006", "checkpoints/best", "model"):

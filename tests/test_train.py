@@ -66,9 +66,8 @@ def accuracy(predictions: list[dict]) -> float:
     return sum(row["label"] == row["predicted"] for row in predictions) / len(predictions)
 
 
-# a line of the run's output: its header, progress, validation and result; nothing from the libraries underneath
-# the run's own lines: the header, progress, validation, the result, and the line a run stuck at chance gets (a
-# slice this small may not learn)
+# the run's own lines, and nothing from the libraries underneath: the header, progress, validation, the result, and
+# the line a run stuck at chance gets (a slice this small may not learn)
 OUTPUT_LINE = re.compile(r"(data|training|launch|run) {2,}\S.*|step \d+/\d+ \(epoch \d+/\d+\): loss .*, "
                          r"[\d.]+ rows/s, \d+:\d\d:\d\d left|step \d+: val loss .*|test acc .* results in .*|"
                          r"the training loss stayed at chance level .*")

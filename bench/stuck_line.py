@@ -1,0 +1,63 @@
+"""The stuck-at-chance line, judged again on finished runs: for each run folder under the given folders (any with
+config.yaml, results.json and a CSV log), its training loss over the last quarter and its final validation loss as
+shares of chance level, its test metric, and whether train.py's rule (fabric_utils/progress.py) would say the line
+now. Chance level is what the run's own task computes from its config. For choosing the rule's thresholds on runs
+kept by bench/study.py and bench/task_suite.py, without training again.
+
+    python bench/stuck_line.py runs/task_suite runs/study33c
+"""
+
+import argparse
+import csv
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+import task  # noqa: E402
+from fabric_utils.progress import STUCK_WITHIN, at_chance  # noqa: E402
+from train import parse_args  # noqa: E402
+
+
+def judge(run: Path, chance_cache: dict) -> dict:
+    """One run's row: its losses as shares of chance, its test metric and whether the line is said."""
+    args = parse_args(["--config", str(run / "config.yaml")])
+    draw = (args.dataset, args.text_pair_column, args.problem_type, args.data_seed, args.train_size, args.val_size)
+    if draw not in chance_cache:  # the same rows, the same chance: load and tokenize each draw once
+        chance_cache[draw] = task.setup(args, verbose=False).chance_loss
+    chance = chance_cache[draw]
+    train_losses, val_losses = [], []
+    for log in sorted(run.glob("logs/version_*/metrics.csv"), key=lambda log: int(log.parent.name.split("_")[1])):
+        with open(log) as f:
+            for row in csv.DictReader(f):
+                train_losses += [float(row["train/loss"])] if row.get("train/loss") else []
+                val_losses += [float(row["val/loss"])] if row.get("val/loss") else []
+    results = json.loads((run / "results.json").read_text())
+    metric = next(k for k in results if k.startswith("test_") and k not in ("test_loss", "test_examples"))
+    last_quarter = train_losses[-max(1, len(train_losses) // 4):]
+    return {"run": run, "lr": args.lr, "train": sum(last_quarter) / len(last_quarter) / chance["train"],
+            "validation": val_losses[-1] / chance["validation"], "metric": metric, "test": results[metric],
+            "said": at_chance(train_losses, val_losses[-1], chance)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("folders", nargs="+", type=Path, help="folders searched for finished runs")
+    args = p.parse_args()
+    task.quiet_libraries(bars=False, logs=False)
+    runs = sorted({log.parents[2] for folder in args.folders for log in folder.rglob("logs/version_*/metrics.csv")
+                   if (log.parents[2] / "results.json").exists()})
+    cache = {}
+    rows = sorted((judge(run, cache) for run in runs), key=lambda row: row["train"])
+    print(f"the line needs training ≥ {STUCK_WITHIN['train']:.0%} and validation ≥ {STUCK_WITHIN['validation']:.0%} "
+          f"of chance; {sum(row['said'] for row in rows)} of {len(rows)} runs get it\n")
+    print("| run | peak lr | training ÷ chance | validation ÷ chance | test | line |")
+    print("|---|---|---|---|---|---|")
+    for row in rows:
+        print(f"| {row['run']} | {row['lr']:.3g} | {row['train']:.3f} | {row['validation']:.3f} | "
+              f"{row['metric'].removeprefix('test_')} {row['test']:.3f} | {'yes' if row['said'] else ''} |")
+
+
+if __name__ == "__main__":
+    main()
