@@ -37,6 +37,9 @@ def declare_blocks(model: nn.Module, blocks: tuple[type, ...]) -> nn.Module:
 def recompute_blocks(model: nn.Module) -> None:
     """``--grad-checkpointing`` outside FSDP and FSDP2 (which wrap the blocks they shard themselves): the model's own
     where it has one (Hugging Face models: their checkpoints keep their names), else each block wrapped."""
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers' name where the older one warns
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        return
     if hasattr(model, "gradient_checkpointing_enable"):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         return

@@ -2,6 +2,7 @@
 
 import sys
 import typing
+import warnings
 from pathlib import Path
 
 import lightning.fabric.fabric
@@ -21,7 +22,7 @@ import task
 from conftest import build_fabric_from_flags, fabric_cli, fake_gpu, run
 from fabric_utils import launcher
 from fabric_utils.errors import UserError
-from fabric_utils.sharding import block_classes
+from fabric_utils.sharding import block_classes, recompute_blocks
 from train import parse_args
 
 
@@ -122,6 +123,17 @@ def test_fsdp_on_gpu_shards_each_block():
     units = [type(m.module).__name__ for m in model.modules() if type(m).__name__ == "FullyShardedDataParallel"]
     assert sorted(units) == ["BertEmbeddings", "BertForSequenceClassification", "BertLayer", "BertLayer"]
     assert sum(isinstance(m, CheckpointWrapper) for m in model.modules()) == 3
+
+
+def test_grad_checkpointing_uses_a_hugging_face_models_own_without_a_warning():
+    """--grad-checkpointing outside FSDP: the model's own checkpointing (its weights keep their names), called by
+    the name that does not warn, as every warning reaches the user's terminal."""
+    model = demo_bert()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        recompute_blocks(model)
+    assert any(getattr(module, "gradient_checkpointing", False) for module in model.modules())
+    assert not any(isinstance(module, CheckpointWrapper) for module in model.modules())
 
 
 def demo_bert():
