@@ -202,8 +202,11 @@ def _load_local(files: dict) -> datasets.DatasetDict:
     try:
         return datasets.load_dataset(file_format, data_files={k: str(v) for k, v in files.items()})
     except Exception as err:  # pyarrow, pandas and datasets each raise their own kinds for a bad file
-        message = str(err).splitlines()[0] if str(err) else type(err).__name__
-        empty = re.search(r'Instruction "(\w+)" corresponds to no data', message)
+        cause = err
+        while cause.__cause__ is not None:  # datasets wraps the reader's own error, which names the line at fault
+            cause = cause.__cause__
+        message = str(cause).splitlines()[0] if str(cause) else type(cause).__name__
+        empty = re.search(r'Instruction "(\w+)" corresponds to no data', str(err))
         if empty and empty.group(1) in files:  # a header and no rows
             raise UserError(f"dataset file {files[empty.group(1)]} has no rows") from err
         raise UserError(f"cannot read dataset files {sorted(str(f) for f in files.values())} as {file_format}: "

@@ -127,6 +127,7 @@ def build_cases(tmp: Path) -> tuple[list, dict]:
         tmp / "negative.csv", index=False)
     (tmp / "empty.csv").write_bytes(b"")
     (tmp / "header_only.csv").write_text("text,label\n")
+    (tmp / "unquoted_comma.csv").write_text("text,label\ngood film,1\nslow, dull film,0\n")
     (tmp / "garbage.parquet").write_bytes(b"this is not parquet\n" * 10)
     (tmp / "a_file").write_text("not a folder\n")
     other_model = tmp / "other_model"  # written by the harness: another model with the same labels
@@ -171,6 +172,9 @@ def build_cases(tmp: Path) -> tuple[list, dict]:
          False),
         ("dataset_header_only", ["--model", MODEL, *QUICK, "--dataset", str(tmp / "header_only.csv")], 2,
          f"dataset file {tmp / 'header_only.csv'} has no rows", False),
+        ("dataset_bad_csv_row", ["--model", MODEL, *QUICK, "--dataset", str(tmp / "unquoted_comma.csv")], 2,
+         f"cannot read dataset files ['{tmp / 'unquoted_comma.csv'}'] as csv: Error tokenizing data. C error: "
+         f"Expected 2 fields in line 3, saw 3", False),
         ("dataset_not_parquet", ["--model", MODEL, *QUICK, "--dataset", str(tmp / "garbage.parquet")], 2,
          f"cannot read dataset files ['{tmp / 'garbage.parquet'}'] as parquet", False),
         ("no_text_column", ["--model", MODEL, *QUICK, "--dataset", str(tmp / "no_text.csv")], 2,
@@ -251,7 +255,7 @@ def outcomes(tmp_path_factory):
 
 CASE_IDS = ["unknown_strategy", "unknown_precision", "unknown_accelerator", "16_mixed_on_cpu", "batch_size_zero",
             "batch_size_negative", "epochs_zero", "max_length_zero", "lr_negative", "dataset_missing",
-            "dataset_empty_file", "dataset_header_only",
+            "dataset_empty_file", "dataset_header_only", "dataset_bad_csv_row",
             "dataset_not_parquet", "no_text_column", "no_label_column", "negative_labels",
             "more_labels_than_the_model", "model_missing", "resume_missing", "corrupt_checkpoint", "corrupt_rng_file",
             "checkpoint_other_labels", "checkpoint_other_model", "out_dir_under_a_file", "config_value_checked",
@@ -262,6 +266,7 @@ CASE_IDS = ["unknown_strategy", "unknown_precision", "unknown_accelerator", "16_
 def test_the_good_run_works(outcomes):
     """Sanity check of the harness and of the checkpoint the label-set and model cases resume."""
     cases, results, _, facts = outcomes
+    assert set(cases) == {"good_run", *CASE_IDS}  # a case built but not listed would never be checked
     result = results["good_run"]
     assert result["rc"] == 0, result["stderr"][-5000:]
     assert (facts["good_ckpt"] / "state").is_file()
