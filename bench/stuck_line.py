@@ -16,7 +16,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import task  # noqa: E402
-from fabric_utils.progress import STUCK_WITHIN, at_chance  # noqa: E402
+from fabric_utils.progress import STUCK_WITHIN, at_chance, last_quarter_mean  # noqa: E402
 from train import parse_args  # noqa: E402
 
 
@@ -35,8 +35,7 @@ def judge(run: Path, chance_cache: dict) -> dict:
                 val_losses += [float(row["val/loss"])] if row.get("val/loss") else []
     results = json.loads((run / "results.json").read_text())
     metric = next(k for k in results if k.startswith("test_") and k not in ("test_loss", "test_examples"))
-    last_quarter = train_losses[-max(1, len(train_losses) // 4):]
-    return {"run": run, "lr": args.lr, "train": sum(last_quarter) / len(last_quarter) / chance["train"],
+    return {"run": run, "lr": args.lr, "train": last_quarter_mean(train_losses) / chance["train"],
             "validation": val_losses[-1] / chance["validation"], "metric": metric, "test": results[metric],
             "said": at_chance(train_losses, val_losses[-1], chance)}
 

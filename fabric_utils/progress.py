@@ -39,13 +39,18 @@ def shows_bars(fabric, quiet: bool, verbose: bool) -> bool:
 STUCK_WITHIN = {"validation": 0.99, "train": 0.95}
 
 
+def last_quarter_mean(losses: list[float]) -> float:
+    """The mean of the last quarter of ``losses`` (the last one at least)."""
+    last_quarter = losses[-max(1, len(losses) // 4):]
+    return sum(last_quarter) / len(last_quarter)
+
+
 def at_chance(train_losses: list[float], val_loss: float, chance_loss: dict[str, float]) -> bool:
     """Whether a finished run has not learned: the mean of the last quarter of its logged training losses and its
     final validation loss are both at chance level (``chance_loss``'s "train" and "validation"). A mean, as one log
     step's loss can dip below it by chance; validation too, as a run that learned a little can keep its training
     loss there."""
-    last_quarter = train_losses[-max(1, len(train_losses) // 4):]
-    return (sum(last_quarter) / len(last_quarter) >= STUCK_WITHIN["train"] * chance_loss["train"]
+    return (last_quarter_mean(train_losses) >= STUCK_WITHIN["train"] * chance_loss["train"]
             and val_loss >= STUCK_WITHIN["validation"] * chance_loss["validation"])
 
 
