@@ -8,7 +8,6 @@ kept by bench/study.py and bench/task_suite.py, without training again.
 """
 
 import argparse
-import csv
 import json
 import sys
 from pathlib import Path
@@ -16,25 +15,22 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import task  # noqa: E402
+from fabric_utils.loggers import read_metrics  # noqa: E402
 from fabric_utils.progress import STUCK_WITHIN, at_chance, last_quarter_mean  # noqa: E402
 from train import parse_args  # noqa: E402
 
 
-def judge(run: Path, chance_cache: dict) -> dict:
+def judge(run: Path, task_cache: dict) -> dict:
     """One run's row: its losses as shares of chance, its test metric and whether the line is said."""
     args = parse_args(["--config", str(run / "config.yaml")])
     draw = (args.dataset, args.text_pair_column, args.problem_type, args.data_seed, args.train_size, args.val_size)
-    if draw not in chance_cache:  # the same rows, the same chance: load and tokenize each draw once
-        chance_cache[draw] = task.setup(args, verbose=False).chance_loss
-    chance = chance_cache[draw]
-    train_losses, val_losses = [], []
-    for log in sorted(run.glob("logs/version_*/metrics.csv"), key=lambda log: int(log.parent.name.split("_")[1])):
-        with open(log) as f:
-            for row in csv.DictReader(f):
-                train_losses += [float(row["train/loss"])] if row.get("train/loss") else []
-                val_losses += [float(row["val/loss"])] if row.get("val/loss") else []
+    if draw not in task_cache:  # the same rows, the same chance: load and tokenize each draw once
+        spec = task.setup(args, verbose=False)
+        task_cache[draw] = spec.chance_loss, f"test_{spec.objective.best_metric}"
+    chance, metric = task_cache[draw]
+    logged = read_metrics(run)
+    train_losses, val_losses = logged["train/loss"].dropna().tolist(), logged["val/loss"].dropna().tolist()
     results = json.loads((run / "results.json").read_text())
-    metric = next(k for k in results if k.startswith("test_") and k not in ("test_loss", "test_examples"))
     return {"run": run, "lr": args.lr, "train": last_quarter_mean(train_losses) / chance["train"],
             "validation": val_losses[-1] / chance["validation"], "metric": metric, "test": results[metric],
             "said": at_chance(train_losses, val_losses[-1], chance)}

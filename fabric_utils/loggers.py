@@ -85,20 +85,29 @@ def finalize_loggers(loggers: list, status: str = "success") -> None:
             logger.experiment.finish()
 
 
-def plot_metrics(out_dir: Path) -> list[Path]:
-    """One PNG per metric (loss, acc, f1, ...): its train and validation curves against the step, from every
-    ``metrics.csv`` of the run (one per start)."""
+def read_metrics(out_dir: Path):
+    """The run's logged metrics, one row per logged step and kind, from every ``metrics.csv`` of the run (one per
+    start) as one pandas DataFrame; None if it logged none."""
     csvs = sorted(out_dir.glob("logs/version_*/metrics.csv"), key=lambda p: int(p.parent.name.split("_")[1]))
     if not csvs:
-        return []
+        return None
     import pandas as pd
-    from matplotlib.figure import Figure  # not pyplot: no global backend or figure to close
 
     frames = []
     for csv in csvs:  # a resumed run logs again from its checkpoint's step: the later log wins from there on
         frame = pd.read_csv(csv)
         frames = [f[f["step"] < frame["step"].min()] for f in frames] + [frame]
-    metrics = pd.concat(frames)
+    return pd.concat(frames)
+
+
+def plot_metrics(out_dir: Path) -> list[Path]:
+    """One PNG per metric (loss, acc, f1, ...): its train and validation curves against the step, from every
+    ``metrics.csv`` of the run (``read_metrics``)."""
+    metrics = read_metrics(out_dir)
+    if metrics is None:
+        return []
+    from matplotlib.figure import Figure  # not pyplot: no global backend or figure to close
+
     written = []
     names = {column.split("/", 1)[1] for column in metrics if column.startswith(("train/", "val/"))}
     for name in ["loss", *sorted(names - {"loss"})]:
