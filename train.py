@@ -168,7 +168,7 @@ def restore(fabric, args, spec: TaskSpec, model, optimizer, scheduler, max_steps
     rows_per_batch = args.batch_size * fabric.world_size  # what one batch_in_epoch is, over all ranks
     state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "step": 0, "epoch": 0,
              "batch_in_epoch": 0, "rows_per_batch": rows_per_batch, "best_val": {}, "fingerprint": fingerprint,
-             "config": vars(args)}
+             "config": vars(args), "train_losses": []}  # every logged loss: a resumed run judges the whole run
     if checkpoint:
         load_checkpoint(fabric, checkpoint, state, expected_fingerprint=fingerprint)
         # the same row of the epoch in this run's batches (other ones, if the number of devices changed)
@@ -232,7 +232,7 @@ def fit(fabric, args, state, loaders, preemption, ckpt_dir, max_steps, steps_per
     objective = spec.objective
     progress = Progress(fabric, max_steps, args.quiet, metrics=objective.make_metrics(),
                         steps_per_epoch=steps_per_epoch, rows_per_step=state["fingerprint"][ROWS_PER_STEP],
-                        start_step=state["step"], chance_loss=spec.chance_loss)
+                        start_step=state["step"], chance_loss=spec.chance_loss, losses=state["train_losses"])
     monitor = Throughput(fabric, args.peak_tflops, flops_of, sized=spec.row_sizes is not None)
     if args.compile:
         warm_up(fabric, model, optimizer, next(iter(train_loader)), functools.partial(training_loss, objective))

@@ -59,9 +59,11 @@ class Progress:
     and shown on rank 0 with the step, epoch, rate and time left."""
 
     def __init__(self, fabric, total_steps: int, quiet: bool, metrics, steps_per_epoch: int | None = None,
-                 rows_per_step: int | None = None, start_step: int = 0, chance_loss: dict[str, float] | None = None):
+                 rows_per_step: int | None = None, start_step: int = 0, chance_loss: dict[str, float] | None = None,
+                 losses: list[float] | None = None):
         self.fabric = fabric
-        self.chance_loss, self.losses = chance_loss, []  # the logged losses, for the stuck-at-chance check
+        # the logged losses, for the stuck-at-chance check: ``losses`` (a checkpoint's, appended to in place) or new
+        self.chance_loss, self.losses = chance_loss, [] if losses is None else losses
         self.metrics = metrics.to(fabric.device)  # a torchmetrics collection; compute() sums over ranks
         self.sums = torch.zeros(2, device=fabric.device)  # the loss times its rows, and the rows
         self.skips_overflow = fabric.strategy.precision.precision == "16-mixed"

@@ -13,6 +13,7 @@ from functools import partial
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import Job, kill_all, logged, resumed_step, subprocess_env, when_saved
 
@@ -83,6 +84,15 @@ def test_sigkill_mid_epoch_then_resume_auto_matches_uninterrupted(runs):
     assert resumed["steps"] == full["steps"] == MAX_STEPS
     for key in COMPARED:
         assert resumed[key] == pytest.approx(full[key], abs=1e-4), key
+    # the whole run's logged losses, which the stuck-at-chance check reads at the end, not only the resumed part
+    assert logged_losses(jobs["killed_resume"]) == pytest.approx(logged_losses(jobs["full"]), abs=1e-4)
+
+
+def logged_losses(job: Job) -> list[float]:
+    final = job.out_dir / "checkpoints" / f"step-{MAX_STEPS:06d}" / "state"
+    losses = torch.load(final, weights_only=True)["train_losses"]
+    assert len(losses) == MAX_STEPS // 5  # --log-every 5
+    return losses
 
 
 def test_resume_auto_skips_partial_and_damaged_checkpoints(runs):
