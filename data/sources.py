@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from data.labels import encode_labels, is_blank, label_names, read_labels, resolve_problem_type, unseen_labels
-from fabric_utils.errors import UserError
+from fabric_utils.errors import UserError, first_line
 
 LOCAL_FORMATS = {".parquet": "parquet", ".csv": "csv", ".json": "json", ".jsonl": "json"}
 SPLIT_ALIASES = {"train": ("train",), "validation": ("validation", "valid", "val", "dev"), "test": ("test",)}
@@ -205,12 +205,11 @@ def _load_local(files: dict) -> datasets.DatasetDict:
         cause = err
         while cause.__cause__ is not None:  # datasets wraps the reader's own error, which names the line at fault
             cause = cause.__cause__
-        message = str(cause).splitlines()[0] if str(cause) else type(cause).__name__
         empty = re.search(r'Instruction "(\w+)" corresponds to no data', str(err))
         if empty and empty.group(1) in files:  # a header and no rows
             raise UserError(f"dataset file {files[empty.group(1)]} has no rows") from err
         raise UserError(f"cannot read dataset files {sorted(str(f) for f in files.values())} as {file_format}: "
-                        f"{message[:300]}") from err
+                        f"{first_line(cause)[:300]}") from err
 
 
 def _carve_missing_splits(raw: datasets.DatasetDict, seed: int, val_size) -> datasets.DatasetDict:

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from lightning.fabric.strategies import DeepSpeedStrategy, ModelParallelStrategy
 
-from fabric_utils.errors import UserError
+from fabric_utils.errors import UserError, first_line
 from fabric_utils.launcher import scales_loss
 
 STEP_PATTERN = re.compile(r"^step-(\d+)$")
@@ -228,8 +228,7 @@ def load_checkpoint(fabric, path: Path, state: dict, expected_fingerprint: dict 
     except pickle.UnpicklingError as err:  # torch's own message suggests weights_only=False: not the fix for this
         raise UserError(damaged) from err
     except Exception as err:  # torch, safetensors and DeepSpeed each raise their own kinds for a bad file
-        message = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise UserError(f"cannot restore checkpoint {path}: {message[:300]} (is it from another model or "
+        raise UserError(f"cannot restore checkpoint {path}: {first_line(err)[:300]} (is it from another model or "
                         f"label set, or damaged? start a new --out-dir or pass another --resume)") from err
     for key, obj in live.items():
         # sharded FSDP and FSDP2 loads hand back a stateful non-model, non-optimizer (scheduler) as a state_dict

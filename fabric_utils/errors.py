@@ -23,6 +23,11 @@ class UserError(Exception):
         self.rank = rank
 
 
+def first_line(err: BaseException) -> str:
+    """What a one-line error quotes of a library's exception: its message's first line, or its type's name."""
+    return str(err).splitlines()[0] if str(err) else type(err).__name__
+
+
 def exit_on_user_error(main):
     """A ``UserError`` becomes ``error: <message>`` on stderr, printed once, and exit status 2; when a process of the
     job is lost, the others' next collective fails, and they stop with one line from rank 0 and no tracebacks."""
