@@ -5,6 +5,7 @@ same logits for a row alone as in a padded batch; predict.py reads it."""
 
 import csv
 import json
+import re
 import signal
 
 import pytest
@@ -14,6 +15,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 import predict
 import train
+from conftest import REPO
 from data.demo import prepare_demo
 from families import FAMILIES, write_family_model
 
@@ -100,3 +102,11 @@ def test_max_length_beyond_the_models_positions_is_one_line_and_leaves_nothing(f
     assert err == f"error: --max-length 512 is beyond the 128 positions of model {models['roberta']}: pass " \
                   "--max-length 128 or less", err
     assert not (tmp_path / "run").exists()
+
+
+def test_the_readme_lists_the_families_tested_here():
+    """The README's list of families is this file's: a family added to one and not the other fails."""
+    names = {"bert": "BERT", "roberta": "RoBERTa", "distilbert": "DistilBERT", "deberta-v2": "DeBERTa-v2",
+             "modernbert": "ModernBERT", "gpt2": "GPT-2", "llama": "Llama", "qwen2": "Qwen2", "t5": "T5", "bart": "BART"}
+    listed = re.search(r"\| the model \|.*; tested: (.*?) \(", (REPO / "README.md").read_text()).group(1)
+    assert listed.split(", ") == [names[family] for family in FAMILIES]
