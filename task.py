@@ -312,6 +312,7 @@ def build_model(source: str, label_names: list[str], problem_type: str, attentio
     if hidden_dropout is not None:
         overrides.update(hidden_dropout_prob=hidden_dropout, dropout=hidden_dropout)
     pad = {} if pad_token_id is None else {"pad_token_id": pad_token_id}
+    overrides["use_cache"] = False  # a classifier never generates; a block recomputed under FSDP would fill it twice
     config = AutoConfig.from_pretrained(
         source, num_labels=len(label_names), id2label=dict(enumerate(label_names)),
         label2id={name: i for i, name in enumerate(label_names)}, problem_type=HF_PROBLEM_TYPES[problem_type],

@@ -16,6 +16,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 import predict
 import train
 from conftest import REPO
+from conftest import train as train_subprocess
 from data.demo import prepare_demo
 from families import FAMILIES, write_family_model
 
@@ -110,3 +111,32 @@ def test_the_readme_lists_the_families_tested_here():
              "modernbert": "ModernBERT", "gpt2": "GPT-2", "llama": "Llama", "qwen2": "Qwen2", "t5": "T5", "bart": "BART"}
     listed = re.search(r"\| the model \|.*; tested: (.*?) \(", (REPO / "README.md").read_text()).group(1)
     assert listed.split(", ") == [names[family] for family in FAMILIES]
+
+
+EXACT = ["--lora-r", "4", "--lr", "1e-2", "--attention-dropout", "0", "--hidden-dropout", "0", "--no-group-by-length"]
+
+
+@pytest.fixture(scope="module")
+def llama_reference(folders, tmp_path_factory):
+    """Llama with LoRA in one process, 8 rows per step: what two processes of 4 rows each must end with."""
+    data, models = folders
+    out = tmp_path_factory.mktemp("llama") / "one"
+    train_in_process("--dataset", data, "--model", models["llama"], "--out-dir", out, *EXACT)
+    return load_file(out / "model" / "model.safetensors")
+
+
+@pytest.mark.parametrize("strategy, flags", [("fsdp2", ["--grad-checkpointing"]), ("deepspeed_stage_3", [])])
+def test_a_sharded_decoder_with_lora_trains_as_one_process(folders, llama_reference, tmp_path, strategy, flags):
+    """Two CPU processes: the skeleton built sharded and filled from rank 0 (rotary tables rebuilt, not read), blocks
+    recomputed under fsdp2, and the export gathered with the adapters merged: the same weights as one process."""
+    data, models = folders
+    results = train_subprocess(["--dataset", data, "--model", models["llama"], "--accelerator", "cpu", "--devices", "2",
+                     "--strategy", strategy, "--precision", "32-true", "--train-size", "48", "--val-size", "16",
+                     "--test-size", "16", "--max-length", "64", "--batch-size", "4", "--max-steps", "2", "--quiet",
+                     "--num-workers", "0", *EXACT, *flags], tmp_path, deepspeed_cpu=strategy.startswith("deepspeed"))
+    assert results["world_size"] == 2
+    exported = load_file(tmp_path / "model" / "model.safetensors")
+    assert exported.keys() == llama_reference.keys()
+    for name, value in llama_reference.items():
+        torch.testing.assert_close(exported[name], value, rtol=1e-4, atol=1e-5, msg=name)
+    assert_alone_as_in_a_batch(tmp_path / "model", "left")
