@@ -50,12 +50,9 @@ def training_flops_fn(model: torch.nn.Module, loss_fn: Callable[[torch.nn.Module
     a copy of fake tensors (no memory; transformers skips its checks of the inputs' values on them). A model whose
     forward reads its inputs' values (T5's and BART's heads find each row's end token) cannot run there: then 6 x its
     matrix weights x tokens, attention left out, or None (MFU unknown) where rows have no sizes; one line says which."""
+    points = [None] if max_size is None else sorted({max(max_size // 4, 1), max(max_size // 2, 2), max_size})
     try:
-        if max_size is None:
-            per_row = count_flops(model, loss_fn, example_batch(None))
-            return lambda rows, sizes, sizes_sq: per_row * rows
-        points = sorted({max(max_size // 4, 1), max(max_size // 2, 2), max_size})
-        measured = [count_flops(model, loss_fn, example_batch(size)) for size in points]
+        measured = count_flops(model, loss_fn, [example_batch(size) for size in points])
     except Exception as err:  # whatever stops the count: it only feeds MFU, which must not stop the run
         reason = f"counting FLOPs on fake tensors failed ({type(err).__name__}: {first_line(err)})"
         if max_size is None:
@@ -64,18 +61,24 @@ def training_flops_fn(model: torch.nn.Module, loss_fn: Callable[[torch.nn.Module
         per_token = 6 * sum(full_shape(param).numel() for name, param in matrix_weights(model))
         say(f"MFU counts 6 x matrix weights x tokens, attention left out: {reason}")
         return lambda rows, sizes, sizes_sq: per_token * sizes
+    if max_size is None:
+        return lambda rows, sizes, sizes_sq: measured[0] * rows
     coeffs = np.polyfit(points, measured, deg=min(2, len(points) - 1))[::-1].tolist()  # constant term first
     c0, c1, c2 = coeffs + [0.0] * (3 - len(coeffs))
     return lambda rows, sizes, sizes_sq: c0 * rows + c1 * sizes + c2 * sizes_sq
 
 
-def count_flops(model: torch.nn.Module, loss_fn: Callable[[torch.nn.Module, dict], torch.Tensor], batch) -> int:
-    """Fabric's ``measure_flops`` of one forward and backward of ``batch``, on ``model``'s fake copy."""
+def count_flops(model: torch.nn.Module, loss_fn: Callable[[torch.nn.Module, dict], torch.Tensor],
+                batches: list) -> list[int]:
+    """Fabric's ``measure_flops`` of one forward and backward of each batch, on one fake copy of ``model``."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     on_fake = fake_copy(model, mode)
-    fake_batch = apply_to_collection(batch, torch.Tensor, lambda tensor: mode.from_tensor(tensor.to("meta")))
-    with mode:
-        return measure_flops(on_fake, lambda: loss_fn(on_fake, fake_batch), lambda loss: loss)
+    measured = []
+    for batch in batches:
+        fake_batch = apply_to_collection(batch, torch.Tensor, lambda tensor: mode.from_tensor(tensor.to("meta")))
+        with mode:
+            measured.append(measure_flops(on_fake, lambda: loss_fn(on_fake, fake_batch), lambda loss: loss))
+    return measured
 
 
 def fake_copy(module: torch.nn.Module, mode: FakeTensorMode) -> torch.nn.Module:

@@ -44,7 +44,7 @@ def test_the_task_gives_the_loop_what_the_contract_says(job):
         assert (job.row_sizes(batch) <= job.max_size).all()
     # FLOPs are counted on fake tensors: the example batch must run there
     assert count_flops(model, lambda m, b: job.objective.loss(job.objective.forward(m, b), b),
-                       job.example_batch(2, None, "cpu")) > 0
+                       [job.example_batch(2, None, "cpu")])[0] > 0
 
 
 def task_flags() -> list[str]:
