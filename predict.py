@@ -12,7 +12,7 @@ import yaml
 
 import task
 from fabric_utils.args import Parser, positive_int
-from fabric_utils.errors import UserError, exit_on_user_error
+from fabric_utils.errors import UserError, exit_on_user_error, first_line
 
 
 @exit_on_user_error
@@ -28,12 +28,21 @@ def main(argv=None) -> Path:
     for needed in (args.run / "model", args.run / "config.yaml"):
         if not needed.exists():
             raise UserError(f"{needed} does not exist: pass the folder of a run that finished (it exports model/)")
-    flags = yaml.safe_load((args.run / "config.yaml").read_text())  # the run's first segment: how it read its data
+    out = args.out or args.run / "predictions.csv"
+    if not out.parent.is_dir() or out.is_dir():  # said now, not after the model has run
+        raise UserError(f"--out {out}: {out if out.is_dir() else out.parent} is not a folder a file can be written "
+                        f"into; pass a file path in an existing folder")
+    try:  # the run's first segment: how it read its data
+        flags = yaml.safe_load((args.run / "config.yaml").read_text())
+    except yaml.YAMLError as err:
+        raise UserError(f"{args.run / 'config.yaml'} is not YAML ({first_line(err)}): pass the folder of a run "
+                        f"train.py wrote") from err
+    if not isinstance(flags, dict):
+        raise UserError(f"{args.run / 'config.yaml'} holds no flags: pass the folder of a run train.py wrote")
     columns = task.predict(args.run / "model", args.file, flags, batch_size=args.batch_size)
 
     from fabric_utils.run_folder import write_predictions  # here: the libraries load only for a valid command
 
-    out = args.out or args.run / "predictions.csv"
     write_predictions(out, columns)
     print(f"{len(columns['row'])} predictions in {out}")
     return out

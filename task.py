@@ -425,6 +425,9 @@ def row_lengths(batch: dict) -> torch.Tensor:
 
 
 # ---- predictions on new rows: predict.py --------------------------------------------------------------------------
+PREDICT_FLAGS = {"text_column", "text_pair_column", "max_length", "pad_to_multiple_of"}  # how the run read its texts
+
+
 def predict(folder: Path, source: Path, flags: dict, batch_size: int) -> dict[str, torch.Tensor]:
     """The exported model's (``folder``) predictions for each row of the file ``source``, whose texts are read as the
     run that trained the model read its data (``flags``: its config.yaml): ``ClassifierObjective.predict``'s columns
@@ -433,9 +436,11 @@ def predict(folder: Path, source: Path, flags: dict, batch_size: int) -> dict[st
     import torch
     from transformers import AutoModelForSequenceClassification
 
-    from data.sources import read_rows
+    from data.sources import check_texts, read_rows
     from data.tokenize import make_collator, tokenize_splits
 
+    if lacking := sorted(PREDICT_FLAGS - flags.keys()):
+        raise UserError(f"the run's config.yaml lacks {', '.join(lacking)}: pass the folder of a run train.py wrote")
     quiet_libraries(bars=False, logs=False)
     rows = read_rows(source)
     texts = [column for column in (flags["text_column"], flags["text_pair_column"]) if column]
@@ -443,8 +448,14 @@ def predict(folder: Path, source: Path, flags: dict, batch_size: int) -> dict[st
     if missing:
         raise UserError(f"{source} has no column {missing[0]!r} (its columns: {rows.column_names}); the model was "
                         f"trained on {' and '.join(texts)}")
+    check_texts(rows, source, texts)
     tokenizer = load_tokenizer(str(folder))
-    model = AutoModelForSequenceClassification.from_pretrained(folder).eval()
+    try:  # the folder's own code never runs, and its weights are read from safetensors only (no pickle)
+        model = AutoModelForSequenceClassification.from_pretrained(folder, trust_remote_code=False,
+                                                                   use_safetensors=True).eval()
+    except OSError as err:
+        raise UserError(f"cannot load the exported model in {folder}: {str(err).splitlines()[0]} (predict.py reads "
+                        f"the model.safetensors train.py exports)") from err
     problem_type = {hf: name for name, hf in HF_PROBLEM_TYPES.items()}[model.config.problem_type]
     objective = ClassifierObjective(problem_type, num_labels=model.config.num_labels)
     inputs = tokenize_splits(datasets.DatasetDict(rows=rows.select_columns(texts)), tokenizer, flags["text_column"],
@@ -472,5 +483,8 @@ def export(state_dict: dict, trained, tokenizer, out: Path) -> None:
     model.load_state_dict(state_dict, strict=True)
     if lora:
         model = model.merge_and_unload()
+    # the stock classes trained it: a source model's pointers to its own code (auto_map) stay behind
+    model.config.__dict__.pop("auto_map", None)
+    tokenizer.init_kwargs.pop("auto_map", None)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from conftest import Job, kill_all, logged, resumed_step, subprocess_env, when_saved
+from fabric_utils.checkpoint import write_manifest
 
 EXIT_PREEMPTED = 75
 STEPS_PER_EPOCH = 50  # 800 rows / 16 per batch
@@ -40,12 +41,15 @@ def plant_damaged_checkpoints(ckpt_dir: Path) -> None:
     no_rng = ckpt_dir / "step-000098"  # its RNG file lost since it was written
     no_rng.mkdir()
     (no_rng / "state").write_bytes(b"garbage")
-    (no_rng / "manifest.json").write_text(json.dumps({"state": 7, "rng-rank0.pt": 7}))
+    (no_rng / "rng-rank0.pt").write_bytes(b"garbage")
+    write_manifest(no_rng)
+    (no_rng / "rng-rank0.pt").unlink()
     empty_state = ckpt_dir / "step-000097"  # its state file emptied since
     empty_state.mkdir()
-    (empty_state / "state").write_bytes(b"")
+    (empty_state / "state").write_bytes(b"garbage")
     (empty_state / "rng-rank0.pt").write_bytes(b"garbage")
-    (empty_state / "manifest.json").write_text(json.dumps({"state": 7, "rng-rank0.pt": 7}))
+    write_manifest(empty_state)
+    (empty_state / "state").write_bytes(b"")
     (ckpt_dir / "step-000096").mkdir()  # an empty folder
 
 
@@ -212,7 +216,7 @@ def test_sigterm_to_the_launcher_of_two_cpu_processes(tmp_path):
 def test_find_resume_checkpoint_trusts_only_complete_folders(tmp_path):
     """The rules behind --resume auto, without a run: newest complete step folder wins; a ``best`` whose
     replacement was interrupted between its two renames is put back."""
-    from fabric_utils.checkpoint import find_resume_checkpoint, step_checkpoints, write_manifest
+    from fabric_utils.checkpoint import find_resume_checkpoint, step_checkpoints
 
     ckpt = tmp_path / "checkpoints"
     for name in ("step-000005", "step-000010", ".old-best"):
