@@ -26,7 +26,7 @@ from pathlib import Path
 
 from data import PROBLEM_TYPES
 from fabric_utils.args import dropout, non_negative_int, positive_float, positive_int, probability
-from fabric_utils.errors import UserError
+from fabric_utils.errors import UserError, first_line
 from fabric_utils.task_spec import TaskSpec
 
 # --lr's default, by the model's width (hidden size), as each entry is the widest model it covers: its peak for a
@@ -48,8 +48,6 @@ PRESETS = {"demo": {"epochs": 1}}
 # (tests/infra) train whatever task.py is with its TEST_FLAGS
 TEST_FLAGS = ["--demo", "--max-length", "128", "--train-size", "800", "--val-size", "48", "--test-size", "64",
               "--batch-size", "16", "--epochs", "2", "--lr", "4e-3"]
-# LoRA's layers where peft's per-architecture table (the attention query and value projections) has no entry
-LORA_TARGETS = {"distilbert": ["q_lin", "v_lin"]}
 DEMO_ROOT = Path.home() / ".cache" / "fabric-template" / "demo"
 
 
@@ -102,8 +100,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                    "(default 2 x r, so the scale and the right --lr stay the same when r changes)")
     g.add_argument("--lora-dropout", type=probability, default=0.0, help="dropout on the adapters' input")
     g.add_argument("--lora-target-modules", nargs="+", metavar="NAME",
-                   help="names of the linear layers to adapt (default: peft's choice for the architecture, the "
-                        "attention query and value projections)")
+                   help="names of the linear layers to adapt (default: every linear layer of attention and MLP, "
+                        "found by structure for any architecture; the head trains in full)")
 
 
 def setup(args: argparse.Namespace, verbose: bool) -> TaskSpec:
@@ -130,10 +128,11 @@ def setup(args: argparse.Namespace, verbose: bool) -> TaskSpec:
         return build_model(data.model_source, data.label_names, data.problem_type,
                            attention_dropout=args.attention_dropout, hidden_dropout=args.hidden_dropout,
                            lora_r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-                           lora_target_modules=args.lora_target_modules, weights=weights)
+                           lora_target_modules=args.lora_target_modules, pad_token_id=data.tokenizer.pad_token_id,
+                           weights=weights)
 
     def example_batch(rows: int, length: int | None, device) -> dict:
-        return objective.dummy_batch(rows, length or args.max_length, vocab_size=len(data.tokenizer), device=device)
+        return objective.dummy_batch(example_inputs(data.tokenizer, rows, length or args.max_length), device=device)
 
     return TaskSpec(
         datasets={name: split.remove_columns("length").with_format("torch") for name, split in data.splits.items()},
@@ -170,6 +169,8 @@ def quiet_libraries(bars: bool, logs: bool) -> None:
         transformers.utils.logging.set_verbosity_error()
         datasets.utils.logging.set_verbosity(datasets.utils.logging.CRITICAL)
         warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        # peft adapts GPT-2's Conv1D layers (weights stored transposed) the right way, and says so
+        warnings.filterwarnings("ignore", message="fan_in_fan_out is set to False", category=UserWarning)
 
 
 # ---- data ------------------------------------------------------------------------------------------------------------
@@ -196,8 +197,10 @@ def load_data(dataset: str, model: str, text_column: str, label_column: str, max
                        problem_type=problem_type, label_separator=label_separator, drop_invalid=drop_invalid,
                        text_pair_column=text_pair_column)
     tokenizer = load_tokenizer(model)
+    check_positions(load_model_config(model), tokenizer, max_length, model)
+    padding = pad_with_end_token(tokenizer, model)
     tokenized = tokenize_splits(data.splits, tokenizer, text_column, max_length, text_pair_column)
-    return TaskData(tokenized, data.label_names, data.problem_type, tokenizer, model, data.drop_report())
+    return TaskData(tokenized, data.label_names, data.problem_type, tokenizer, model, data.drop_report() + padding)
 
 
 def _check_source(source: str) -> None:
@@ -213,6 +216,32 @@ def load_tokenizer(source: str):
         return AutoTokenizer.from_pretrained(source, use_fast=True, trust_remote_code=False)
     except OSError as err:
         raise UserError(f"cannot load a tokenizer from {source!r}: {str(err).splitlines()[0]}") from err
+
+
+def check_positions(config, tokenizer, max_length: int, source: str) -> None:
+    """--max-length within the model's positions (``max_position_embeddings``, GPT-2's ``n_positions``), or the
+    tokenizer's ``model_max_length`` where it is lower (RoBERTa's positions start after its pad id): beyond them the
+    first long row would fail deep inside the model. Models of relative positions only (T5) name no limit."""
+    limits = [getattr(config, "max_position_embeddings", None), tokenizer.model_max_length]
+    limit = min((n for n in limits if isinstance(n, int) and 0 < n < 10**9), default=None)  # huge: unset
+    if limit is not None and limits[0] is not None and max_length > limit:
+        raise UserError(f"--max-length {max_length} is beyond the {limit} positions of model {source}: pass "
+                        f"--max-length {limit} or less")
+
+
+def pad_with_end_token(tokenizer, source: str) -> list[str]:
+    """A tokenizer without a pad token (decoders: GPT-2, Llama, Mistral) pads with its end-of-text token, else its
+    unknown one, as transformers' docs do for classification; the model pools each row's last token that is not this
+    one, for either padding side. Returns the note that says so, or none where the tokenizer has its own."""
+    if tokenizer.pad_token is not None:
+        return []
+    token = tokenizer.eos_token or tokenizer.unk_token
+    if token is None:
+        raise UserError(f"the tokenizer of {source} has no pad, end-of-text or unknown token to pad batches with: "
+                        f"give it a pad_token in its tokenizer_config.json")
+    tokenizer.pad_token = token
+    return [f"padding with {token!r} (id {tokenizer.pad_token_id}), as the tokenizer has no pad token; the model's "
+            f"config names it too, so a decoder pools each row's last token that is not it"]
 
 
 # ---- model -----------------------------------------------------------------------------------------------------------
@@ -257,10 +286,12 @@ def learning_rate_for(config, steps: int, lora: bool = False, demo: bool = False
 def build_model(source: str, label_names: list[str], problem_type: str, attention_dropout: float | None,
                 hidden_dropout: float | None, lora_r: int = 0,
                 lora_alpha: float | None = None, lora_dropout: float = 0.0,
-                lora_target_modules: list[str] | None = None, weights: bool = True) -> torch.nn.Module:
+                lora_target_modules: list[str] | None = None, pad_token_id: int | None = None,
+                weights: bool = True) -> torch.nn.Module:
     """The pretrained encoder with a fresh head for ``label_names`` (never running remote code). Its config carries
     the problem type and the label names, so the exported model predicts the right way (softmax, sigmoid or a
-    number). A dropout of None keeps the model's own. ``lora_r`` > 0 freezes it and adds LoRA adapters
+    number), and the tokenizer's ``pad_token_id``, by which decoders find each row's last token (Qwen2's config names
+    none though its tokenizer pads). A dropout of None keeps the model's own. ``lora_r`` > 0 freezes it and adds LoRA adapters
     (``add_lora``). The weights keep the dtype the folder holds (transformers memory-maps its safetensors file): the
     loop makes them fp32, under fsdp2 once each rank holds only its shards, so no rank converts the whole. Without
     ``weights``, the same model in fp32 with no weight read or initialized: the skeleton that the loop builds
@@ -280,10 +311,11 @@ def build_model(source: str, label_names: list[str], problem_type: str, attentio
         overrides.update(attention_probs_dropout_prob=attention_dropout, attention_dropout=attention_dropout)
     if hidden_dropout is not None:
         overrides.update(hidden_dropout_prob=hidden_dropout, dropout=hidden_dropout)
+    pad = {} if pad_token_id is None else {"pad_token_id": pad_token_id}
     config = AutoConfig.from_pretrained(
         source, num_labels=len(label_names), id2label=dict(enumerate(label_names)),
         label2id={name: i for i, name in enumerate(label_names)}, problem_type=HF_PROBLEM_TYPES[problem_type],
-        trust_remote_code=False, **{k: v for k, v in overrides.items() if hasattr(config, k)})
+        trust_remote_code=False, **pad, **{k: v for k, v in overrides.items() if hasattr(config, k)})
     # the skeleton's initializers would write into weights that hold no memory (meta) or a ZeRO-3 partition
     with contextlib.nullcontext() if weights else no_init_weights():
         if weights:
@@ -300,29 +332,26 @@ def build_model(source: str, label_names: list[str], problem_type: str, attentio
 
 def add_lora(model, r: int, alpha: float, dropout: float, target_modules: list[str] | None, upcast: bool = True):
     """Freezes ``model`` and adds LoRA adapters (``W + alpha / r * B @ A``, B starting at zero) to the linear layers
-    named ``target_modules`` (default: peft's per-architecture choice). peft's sequence-classification task keeps
-    the head trainable: every module whose name ends in "classifier" or "score" (DistilBERT's pre_classifier too).
-    ``upcast`` makes the adapters fp32 next to 16-bit weights; a skeleton is fp32 already, and under ZeRO-3 its
-    weights take DeepSpeed's one dtype as they are made, which fp32 adapters would break. peft is imported only
-    here: it adds a second to every start."""
+    named ``target_modules`` (default: every linear layer of the body, peft's ``all-linear``). The task's head, every
+    module outside the pretrained body (a classifier, score, classification head, DeBERTa's pooler: what the load makes
+    fresh), trains in full and is exported. ``upcast`` makes the adapters fp32 next to 16-bit weights; a skeleton is
+    fp32 already, and under ZeRO-3 its weights take DeepSpeed's one dtype as they are made, which fp32 adapters would
+    break. peft is imported only here: it adds a second to every start."""
     import torch
     from peft import LoraConfig, TaskType, get_peft_model
-    from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as PEFT_TARGETS
 
-    model_type = model.config.model_type
-    target_modules = target_modules or PEFT_TARGETS.get(model_type) or LORA_TARGETS.get(model_type)
-    linear = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+    body = model.base_model
+    head = [name for name, module in model.named_children() if module is not body and next(module.parameters(), None) is not None]
+    linear = sorted({name.rsplit(".", 1)[-1] for name, module in body.named_modules()
                      if isinstance(module, torch.nn.Linear)})
-    if not target_modules:
-        raise UserError(f"no default LoRA layers for model type {model_type}: pass --lora-target-modules with "
-                        f"some of its linear layers {linear}")
     config = LoraConfig(task_type=TaskType.SEQ_CLS, r=r, lora_alpha=alpha, lora_dropout=dropout,
-                        target_modules=list(target_modules))
+                        target_modules=list(target_modules or ()) or "all-linear", modules_to_save=head)
     try:
         return get_peft_model(model, config, autocast_adapter_dtype=upcast)
     except ValueError as err:  # peft's check that every name matches a layer
-        raise UserError(f"--lora-target-modules {' '.join(target_modules)}: {str(err).splitlines()[0]} (its linear "
-                        f"layers: {linear})") from err
+        flag = f"--lora-target-modules {' '.join(target_modules)}" if target_modules else "LoRA"
+        raise UserError(f"{flag}: {first_line(err)} (its linear layers: {linear}; pass some with "
+                        f"--lora-target-modules)") from err
 
 
 # ---- forward, loss, metrics: shared by training and evaluation -------------------------------------------------------
@@ -408,15 +437,30 @@ class ClassifierObjective:
             return {**{k: v.int() for k, v in label.items()}, "predicted": (score > 0.5).int(), "score": score}
         return {**label, "predicted": logits}
 
-    def dummy_batch(self, rows: int, length: int, vocab_size: int, device) -> dict:
-        """Rows of ``length`` random tokens, no padding (so no attention mask: also what a meta-device model needs),
-        and labels of the right kind: for FLOP counting and the batch-size finder."""
+    def dummy_batch(self, inputs: dict[str, torch.Tensor], device) -> dict:
+        """``inputs`` on ``device`` with labels of the right kind: for FLOP counting and the batch-size finder."""
         import torch
 
+        rows = len(inputs["input_ids"])
         labels = {"single_label": lambda: torch.zeros(rows, dtype=torch.long, device=device),
                   "multi_label": lambda: torch.zeros(rows, self.num_labels, device=device),
                   "regression": lambda: torch.zeros(rows, device=device)}[self.problem_type]()
-        return {"input_ids": torch.randint(1, max(vocab_size, 2), (rows, length), device=device), "labels": labels}
+        return {**{name: value.to(device) for name, value in inputs.items()}, "labels": labels}
+
+
+def example_inputs(tokenizer, rows: int, length: int) -> dict[str, torch.Tensor]:
+    """``rows`` copies of a row of ``length`` tokens as the tokenizer makes them, random words between its special
+    tokens (T5 and BART check that each row ends in one end-of-text token), with the attention mask the model gets.
+    A generator of its own: the run's random numbers stay as its seed made them."""
+    import torch
+
+    special = set(tokenizer.all_special_ids)
+    words = [i for i in range(len(tokenizer)) if i not in special]
+    drawn = torch.randint(len(words), (2 * length,), generator=torch.Generator().manual_seed(0)).tolist()
+    row = tokenizer(tokenizer.decode([words[i] for i in drawn]), truncation=True, max_length=length)
+    row = tokenizer.pad({name: row[name] for name in ("input_ids", "attention_mask")}, padding="max_length",
+                        max_length=length, return_tensors="pt")
+    return {name: value.expand(rows, -1) for name, value in row.items()}
 
 
 def row_lengths(batch: dict) -> torch.Tensor:

@@ -140,7 +140,7 @@ def build(fabric, args, spec: TaskSpec, pretrained: bool):
     params = count_parameters(model)
     step_loss = functools.partial(training_loss, spec.objective)
     flops_of = training_flops_fn(  # FLOPs of forward and backward, for MFU
-        model, lambda m, size: step_loss(m, spec.example_batch(1, size, "meta")), max_size=spec.max_size)
+        model, step_loss, lambda size: spec.example_batch(1, size, "cpu"), max_size=spec.max_size)
     if args.compile:  # fabric.setup recompiles it around the strategy's wrapper; dynamic: one graph for every length
         model = torch.compile(model, mode=args.compile_mode, dynamic=True)
     # at rate 0: the schedule sets the peak once the run's length, on which the default depends, is known

@@ -12,6 +12,8 @@ from lightning.fabric.wrappers import _unwrap_compiled
 # per-module activation checkpointing, which FSDP2 and torchtitan use: PyTorch keeps it only in this private module
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     CheckpointWrapper, apply_activation_checkpointing, checkpoint_wrapper)
+# tensors with shapes and no memory that transformers treats as traced (it skips reading their values): FLOP counting
+from torch._subclasses.fake_tensor import FakeTensorMode
 # a loader's worker processes, which a DataLoader has no public way to shut down (stop_workers)
 from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 

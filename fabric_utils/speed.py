@@ -13,6 +13,12 @@ from pathlib import Path
 import numpy as np
 import torch
 from lightning.fabric.utilities.throughput import ThroughputMonitor, measure_flops
+from lightning_utilities.core.apply_func import apply_to_collection
+
+from fabric_utils.errors import first_line
+from fabric_utils.private import FakeTensorMode
+from fabric_utils.progress import say
+from fabric_utils.sharding import full_shape
 
 
 def default_num_workers(fabric) -> int:
@@ -36,36 +42,65 @@ def processes_sharing(fabric, cpus: set[int]) -> int:
     return int((same_host & overlaps).sum())
 
 
-def training_flops_fn(model: torch.nn.Module, step_loss: Callable[[torch.nn.Module, int | None], torch.Tensor],
-                      max_size: int | None) -> Callable[[int, int, int], float]:
+def training_flops_fn(model: torch.nn.Module, loss_fn: Callable[[torch.nn.Module, dict], torch.Tensor],
+                      example_batch: Callable[[int | None], dict],
+                      max_size: int | None) -> Callable[[int, int, int], float] | None:
     """``flops(rows, sizes, sizes_sq)``: forward and backward FLOPs from the rows' count, sizes and squared sizes, a
-    quadratic (linear layers + attention) fitted to ``step_loss(model, size)`` counted on a meta copy at three sizes."""
-    meta_model = meta_copy(model)
-    if max_size is None:
-        per_row = measure_flops(meta_model, lambda: step_loss(meta_model, None), lambda loss: loss)
-        return lambda rows, sizes, sizes_sq: per_row * rows
-    points = sorted({max(max_size // 4, 1), max(max_size // 2, 2), max_size})
-    measured = [measure_flops(meta_model, lambda: step_loss(meta_model, size), lambda loss: loss) for size in points]
+    quadratic (linear layers + attention) fitted to ``loss_fn(model, example_batch(size))`` counted at three sizes on
+    a copy of fake tensors (no memory; transformers skips its checks of the inputs' values on them). A model whose
+    forward reads its inputs' values (T5's and BART's heads find each row's end token) cannot run there: then 6 x its
+    matrix weights x tokens, attention left out, or None (MFU unknown) where rows have no sizes; one line says which."""
+    try:
+        if max_size is None:
+            per_row = count_flops(model, loss_fn, example_batch(None))
+            return lambda rows, sizes, sizes_sq: per_row * rows
+        points = sorted({max(max_size // 4, 1), max(max_size // 2, 2), max_size})
+        measured = [count_flops(model, loss_fn, example_batch(size)) for size in points]
+    except Exception as err:  # whatever stops the count: it only feeds MFU, which must not stop the run
+        reason = f"counting FLOPs on fake tensors failed ({type(err).__name__}: {first_line(err)})"
+        if max_size is None:
+            say(f"MFU unknown: {reason}")
+            return None
+        per_token = 6 * sum(full_shape(param).numel() for name, param in matrix_weights(model))
+        say(f"MFU counts 6 x matrix weights x tokens, attention left out: {reason}")
+        return lambda rows, sizes, sizes_sq: per_token * sizes
     coeffs = np.polyfit(points, measured, deg=min(2, len(points) - 1))[::-1].tolist()  # constant term first
     c0, c1, c2 = coeffs + [0.0] * (3 - len(coeffs))
     return lambda rows, sizes, sizes_sq: c0 * rows + c1 * sizes + c2 * sizes_sq
 
 
-def meta_copy(module: torch.nn.Module) -> torch.nn.Module:
-    """``module`` on the meta device, no weight copied (ZeRO-3's empty partitions keep their shape in ``ds_shape``)."""
+def count_flops(model: torch.nn.Module, loss_fn: Callable[[torch.nn.Module, dict], torch.Tensor], batch) -> int:
+    """Fabric's ``measure_flops`` of one forward and backward of ``batch``, on ``model``'s fake copy."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    on_fake = fake_copy(model, mode)
+    fake_batch = apply_to_collection(batch, torch.Tensor, lambda tensor: mode.from_tensor(tensor.to("meta")))
+    with mode:
+        return measure_flops(on_fake, lambda: loss_fn(on_fake, fake_batch), lambda loss: loss)
+
+
+def fake_copy(module: torch.nn.Module, mode: FakeTensorMode) -> torch.nn.Module:
+    """``module`` of fake tensors, no weight copied (ZeRO-3's empty partitions keep their shape in ``ds_shape``)."""
     memo = {}
     for tensor in [*module.parameters(), *module.buffers()]:
-        on_meta = torch.empty(getattr(tensor, "ds_shape", tensor.shape), dtype=tensor.dtype, device="meta")
-        memo[id(tensor)] = torch.nn.Parameter(on_meta, tensor.requires_grad) if isinstance(
-            tensor, torch.nn.Parameter) else on_meta
+        fake = mode.from_tensor(torch.empty(full_shape(tensor), dtype=tensor.dtype, device="meta"))
+        memo[id(tensor)] = torch.nn.Parameter(fake, tensor.requires_grad) if isinstance(
+            tensor, torch.nn.Parameter) else fake
     return copy.deepcopy(module, memo)
+
+
+def matrix_weights(model: torch.nn.Module):
+    """(name, weight) of every matrix that multiplies activations: 2-D and more, embedding tables left out."""
+    tables = {id(module.weight) for module in model.modules() if isinstance(module, torch.nn.Embedding)}
+    return [(name, param) for name, param in model.named_parameters()
+            if len(full_shape(param)) >= 2 and id(param) not in tables]
 
 
 class Throughput:
     """Rows, sizes and FLOPs counted on the device, read only at log steps, for ``ThroughputMonitor`` and ``stop()``;
     the clock leaves out ``paused()`` time (validation, checkpoints), so figures compare across validation settings."""
 
-    def __init__(self, fabric, peak_tflops: float | None, flops_of: Callable[[int, int, int], float], sized: bool):
+    def __init__(self, fabric, peak_tflops: float | None, flops_of: Callable[[int, int, int], float] | None,
+                 sized: bool):
         self.fabric, self.flops_of, self.sized = fabric, flops_of, sized
         self.monitor = ThroughputMonitor(fabric, window_size=5)
         if peak_tflops:  # Fabric knows the peak of common GPUs, not of CPUs nor of every GPU (H200)
@@ -98,10 +133,10 @@ class Throughput:
 
     def log(self, step: int) -> dict:
         rows, tokens, tokens_sq = self.counts.tolist()  # sync: log steps only
-        flops = self.flops_of(rows, tokens, tokens_sq)
+        flops = self.flops_of(rows, tokens, tokens_sq) if self.flops_of else None
         self.monitor.update(time=self.seconds(), batches=step - self.start_step, samples=rows,
-                            lengths=tokens if self.sized else None,
-                            flops=flops - self.flops_logged)  # it takes FLOPs since its last update
+                            lengths=tokens if self.sized else None,  # it takes FLOPs since its last update
+                            flops=None if flops is None else flops - self.flops_logged)
         self.flops_logged = flops
         return self.monitor.compute_and_log(step=step)
 
@@ -109,10 +144,11 @@ class Throughput:
         """Over all ranks: seconds, rows/s, sizes/s (tokens/s; with sizes only), MFU (None: peak unknown)."""
         seconds, peak = self.seconds(), self.monitor.available_flops
         rows, tokens, tokens_sq = self.fabric.all_reduce(self.counts.double(), reduce_op="sum").tolist()
-        flops = self.flops_of(rows, tokens, tokens_sq)  # linear in the sums: the job's FLOPs from the job's sums
+        # linear in the sums: the job's FLOPs from the job's sums
+        flops = self.flops_of(rows, tokens, tokens_sq) if self.flops_of else None
         return {"train_time_s": seconds, "train_samples_per_s": rows / seconds,
                 **({"train_tokens_per_s": tokens / seconds} if self.sized else {}),
-                "mfu": flops / seconds / (peak * self.fabric.world_size) if peak else None}
+                "mfu": flops / seconds / (peak * self.fabric.world_size) if peak and flops is not None else None}
 
 
 def warm_up(fabric, model, optimizer, batch: dict, loss_fn: Callable[[torch.nn.Module, dict], torch.Tensor]) -> None:

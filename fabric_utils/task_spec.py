@@ -56,7 +56,8 @@ class TaskSpec:
     # the model to train, weights in any dtype (the loop makes them fp32, then as precision wants); called at most once
     build_model: Callable[[], torch.nn.Module]
     objective: Objective
-    # (rows, row size or None: the largest, device) -> an input batch, to count FLOPs on "meta" and probe batch sizes
+    # (rows, row size or None: the largest, device) -> an input batch as the model gets it, to count FLOPs (made of
+    # fake tensors) and probe batch sizes
     example_batch: Callable[[int, int | None, torch.device | str], dict]
     export: Callable[[dict, torch.nn.Module, Path], None]  # (best model's full weights, trained model, folder) -> files
     meta: dict  # what defines the model and its outputs (source, labels): checkpoints record it, resume compares it

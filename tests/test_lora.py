@@ -50,7 +50,6 @@ def assert_same_run(out, results, reference):
 def test_lora_trains_a_small_part_and_exports_a_plain_model_with_the_adapters_merged(reference):
     out, results, stderr = reference
     assert not stderr, stderr  # a quiet run shows nothing of the libraries underneath: no warnings
-    assert 0 < results["trainable_params"] < results["total_params"] / 10
 
     exported = out / "model"
     assert not list(exported.glob("adapter_*")), "peft's adapter files in the export"
@@ -63,6 +62,9 @@ def test_lora_trains_a_small_part_and_exports_a_plain_model_with_the_adapters_me
     trained = task.build_model(str(task.DEMO_ROOT / "model"), ["negative", "positive"], "single_label",
                                attention_dropout=0.0, hidden_dropout=0.0, lora_r=8)
     trained.load_state_dict(torch.load(out / "checkpoints" / "best" / "state", weights_only=True)["model"])
+    # adapters on every linear layer of a 64-wide model, and its head: an eighth of it
+    assert results["trainable_params"] == sum(p.numel() for p in trained.parameters() if p.requires_grad)
+    assert 0 < results["trainable_params"] < results["total_params"] / 6
     tokenizer = AutoTokenizer.from_pretrained(exported)
     batch = tokenizer(["a good film with a dull plot", "boring and messy but the cast was superb"] * 4,
                       padding=True, return_tensors="pt")
@@ -109,9 +111,9 @@ def tiny_model(folder, config) -> str:
 
 @pytest.mark.parametrize("config, adapted, head", [
     (BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64),
-     {"query", "value"}, {"classifier"}),
+     {"query", "key", "value", "dense"}, {"classifier"}),  # dense: attention output, MLP, pooler
     (DistilBertConfig(dim=32, n_layers=1, n_heads=2, hidden_dim=64),
-     {"q_lin", "v_lin"}, {"pre_classifier", "classifier"}),  # an architecture peft's table lacks
+     {"q_lin", "k_lin", "v_lin", "out_lin", "lin1", "lin2"}, {"pre_classifier", "classifier"}),
 ])
 def test_default_target_modules_and_trainable_head_per_architecture(tmp_path, config, adapted, head):
     model = task.build_model(tiny_model(tmp_path, config), ["a", "b"], "single_label", None, None, lora_r=4)

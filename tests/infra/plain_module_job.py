@@ -59,8 +59,8 @@ def main():
     y = x.sum(dim=1) + 0.1 * torch.randn(256, generator=torch.Generator().manual_seed(1))
 
     model = Regressor()
-    flops_of = training_flops_fn(model, lambda m, size: huber(m(torch.zeros(1, 8, device="meta")),
-                                                              torch.zeros(1, device="meta")), max_size=None)
+    flops_of = training_flops_fn(model, lambda m, batch: huber(m(batch[0]), batch[1]),
+                                 lambda size: (torch.zeros(1, 8), torch.zeros(1)), max_size=None)
     model, optimizer, _ = setup_model_and_optimizer(
         fabric, model, lambda m, shapes: build_optimizer(m, name="adamw", lr=3e-2, weight_decay=0.01,
                                                          device=fabric.device, shapes=shapes))

@@ -11,7 +11,7 @@ import torch
 import task
 from conftest import REPO, Job, kill_all, resumed_step, run
 from fabric_utils.args import build_parser
-from fabric_utils.speed import meta_copy
+from fabric_utils.speed import count_flops
 from fabric_utils.task_spec import TaskSpec
 from train import flag_parser, parse_args
 
@@ -42,9 +42,9 @@ def test_the_task_gives_the_loop_what_the_contract_says(job):
         assert any(isinstance(module, block) for module in model.modules())
     if job.row_sizes:  # real rows only, never more than the longest
         assert (job.row_sizes(batch) <= job.max_size).all()
-    on_meta = meta_copy(model)  # FLOPs are counted on the meta device: the example batch must run there
-    assert job.objective.loss(job.objective.forward(on_meta, job.example_batch(2, None, "meta")),
-                              job.example_batch(2, None, "meta")).device.type == "meta"
+    # FLOPs are counted on fake tensors: the example batch must run there
+    assert count_flops(model, lambda m, b: job.objective.loss(job.objective.forward(m, b), b),
+                       job.example_batch(2, None, "cpu")) > 0
 
 
 def task_flags() -> list[str]:

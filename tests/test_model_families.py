@@ -1,0 +1,112 @@
+"""Every family a user brings (tests/families.py: encoders, decoders as classifiers, encoder-decoders) trains, with and
+without LoRA, in this one process: the tokenizer pads (decoders with their end-of-text token), FLOPs are counted or
+the run says how, LoRA trains and exports the task's head, and the export loads with plain transformers and gives the
+same logits for a row alone as in a padded batch; predict.py reads it."""
+
+import csv
+import json
+import re
+import signal
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+import predict
+import train
+from conftest import REPO
+from data.demo import prepare_demo
+from families import FAMILIES, write_family_model
+
+ROTARY = ("llama", "qwen2")
+TEXTS = ["a good film", "boring and messy but the cast was superb and the music moving", "dull", "the plot was fun"]
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("families")
+    data, _ = prepare_demo(root / "demo")
+    return data, {family: write_family_model(family, root / family) for family in FAMILIES}
+
+
+def train_in_process(*flags):
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        return train.setup(["--accelerator", "cpu", "--precision", "32-true", "--train-size", "48", "--val-size", "16",
+                            "--test-size", "16", "--max-length", "64", "--batch-size", "8", "--max-steps", "2",
+                            "--quiet", "--num-workers", "0", *map(str, flags)])
+    finally:  # the run installed its preemption handlers in this process: put pytest's back
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+
+
+def assert_alone_as_in_a_batch(folder, padding_side: str):
+    model = AutoModelForSequenceClassification.from_pretrained(folder).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder, padding_side=padding_side)
+    assert model.config.pad_token_id == tokenizer.pad_token_id is not None
+    with torch.no_grad():
+        batched = model(**tokenizer(TEXTS, padding=True, return_tensors="pt")).logits
+        alone = torch.cat([model(**tokenizer([text], return_tensors="pt")).logits for text in TEXTS])
+    torch.testing.assert_close(batched, alone, rtol=1e-4, atol=1e-5)
+    return batched
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_family_trains_exports_and_predicts(folders, tmp_path, capsys, family, lora):
+    data, models = folders
+    out = tmp_path / "run"
+    results = train_in_process("--dataset", data, "--model", models[family], "--out-dir", out,
+                               *(["--lora-r", "4"] if lora else []))
+    said = capsys.readouterr().out
+    assert results["steps"] == 2
+    # decoders shipped without a pad token pad with their end-of-text token, and say so
+    assert ("padding with" in said) == (family in ("gpt2", "llama")), said
+    # the heads of T5 and BART find each row's end token, which fake tensors cannot: counted by their weights
+    assert ("MFU counts 6 x matrix weights" in said) == (family in ("t5", "bart")), said
+
+    model, info = AutoModelForSequenceClassification.from_pretrained(out / "model", output_loading_info=True)
+    assert not any(info.values()), info  # plain names: no lora_, base_layer, modules_to_save
+    logits = assert_alone_as_in_a_batch(out / "model", "right")
+    if family in ROTARY:  # the last real token is pooled whichever side pads (GPT-2's learned positions would shift)
+        torch.testing.assert_close(assert_alone_as_in_a_batch(out / "model", "left"), logits, rtol=1e-4, atol=1e-5)
+
+    if lora:  # the head trained in full, from its fresh values, and the export holds the trained one
+        state = torch.load(out / "checkpoints" / "best" / "state", weights_only=True)["model"]
+        heads = {name: value for name, value in state.items() if ".modules_to_save.default." in name}
+        exported = load_file(out / "model" / "model.safetensors")
+        assert heads, "no head among LoRA's trained modules"
+        for name, value in heads.items():
+            fresh = state[name.replace(".modules_to_save.default.", ".original_module.")]
+            assert not torch.equal(value, fresh), f"{name} did not train"
+            plain = name.removeprefix("base_model.model.").replace(".modules_to_save.default", "")
+            torch.testing.assert_close(exported[plain], value)
+
+    rows = tmp_path / "rows.csv"
+    with open(rows, "w", newline="") as f:
+        csv.writer(f).writerows([["text"], *([text] for text in TEXTS)])
+    with open(predict.main([str(out), str(rows)])) as f:
+        predicted = [int(row["predicted"]) for row in csv.DictReader(f)]
+    assert predicted == logits.argmax(dim=-1).tolist()
+    assert json.loads((out / "results.json").read_text())["config"]["model"] == str(models[family])
+
+
+def test_max_length_beyond_the_models_positions_is_one_line_and_leaves_nothing(folders, tmp_path, capsys):
+    data, models = folders
+    with pytest.raises(SystemExit) as exit:
+        train_in_process("--dataset", data, "--model", models["roberta"], "--max-length", "512",
+                         "--out-dir", tmp_path / "run")
+    assert exit.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"error: --max-length 512 is beyond the 128 positions of model {models['roberta']}: pass " \
+                  "--max-length 128 or less", err
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_readme_lists_the_families_tested_here():
+    """The README's list of families is this file's: a family added to one and not the other fails."""
+    names = {"bert": "BERT", "roberta": "RoBERTa", "distilbert": "DistilBERT", "deberta-v2": "DeBERTa-v2",
+             "modernbert": "ModernBERT", "gpt2": "GPT-2", "llama": "Llama", "qwen2": "Qwen2", "t5": "T5", "bart": "BART"}
+    listed = re.search(r"\| the model \|.*; tested: (.*?) \(", (REPO / "README.md").read_text()).group(1)
+    assert listed.split(", ") == [names[family] for family in FAMILIES]
