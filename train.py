@@ -217,8 +217,10 @@ def make_loaders(fabric, args, spec: TaskSpec) -> dict:
         rank=fabric.global_rank, seed=args.seed, group_by_length=args.group_by_length,
         num_workers=default_num_workers(fabric) if args.num_workers is None else args.num_workers,
         pin_memory=fabric.device.type == "cuda", grad_accum=args.grad_accum)
-    # the samplers already shard rows across ranks, so Fabric only moves batches to the device
-    return dict(zip(loaders, fabric.setup_dataloaders(*loaders.values(), use_distributed_sampler=False)))
+    # the samplers already shard rows across ranks; batches reach the loop on the host, where it counts their rows
+    # and tokens without reading the device, and fabric.to_device moves them (non-blocking from pinned memory)
+    return dict(zip(loaders, fabric.setup_dataloaders(*loaders.values(), use_distributed_sampler=False,
+                                                      move_to_device=False)))
 
 
 def training_loss(objective, model, batch: dict) -> torch.Tensor:
@@ -235,7 +237,8 @@ def fit(fabric, args, state, loaders, preemption, ckpt_dir, max_steps, steps_per
                         start_step=state["step"], chance_loss=spec.chance_loss, losses=state["train_losses"])
     monitor = Throughput(fabric, args.peak_tflops, flops_of, sized=spec.row_sizes is not None)
     if args.compile:
-        warm_up(fabric, model, optimizer, next(iter(train_loader)), functools.partial(training_loss, objective))
+        warm_up(fabric, model, optimizer, fabric.to_device(next(iter(train_loader))),
+                functools.partial(training_loss, objective))
     fabric.barrier()
     monitor.start(state["step"])
     stale, preempted, stop = 0, False, False
@@ -243,6 +246,8 @@ def fit(fabric, args, state, loaders, preemption, ckpt_dir, max_steps, steps_per
         train_loader.batch_sampler.set_epoch(state["epoch"], start_batch=state["batch_in_epoch"])
         epoch_batches = state["batch_in_epoch"] + len(train_loader)  # the sampler skips what a resume has done
         for batch in train_loader:
+            monitor.count(len(batch["labels"]), spec.row_sizes(batch) if spec.row_sizes else None)
+            batch = fabric.to_device(batch)
             # the micro-batches one optimizer step averages: --grad-accum, fewer at the end of the epoch
             group_start = state["batch_in_epoch"] - state["batch_in_epoch"] % args.grad_accum
             group_size = min(args.grad_accum, epoch_batches - group_start)
@@ -253,7 +258,6 @@ def fit(fabric, args, state, loaders, preemption, ckpt_dir, max_steps, steps_per
                 loss = objective.loss(logits, batch)
                 fabric.backward(loss / group_size)                                           # Fabric step 4
             progress.update(loss, logits, batch["labels"])
-            monitor.count(len(batch["labels"]), spec.row_sizes(batch) if spec.row_sizes else None)
             if not is_last:
                 continue
             if args.grad_clip and clips_in_loop(fabric):  # DeepSpeed clips inside optimizer.step()
@@ -332,6 +336,7 @@ def evaluate(fabric, model, loader, objective, predict: bool = False) -> dict:
     remaining = loader.batch_sampler.num_real  # the rest repeat a row so all ranks run the same number of batches
     predicted = []
     for batch in loader:
+        batch = fabric.to_device(batch)
         # every rank runs every forward, repeated rows too: under fsdp, fsdp2 and ZeRO-3 a skipped one hangs the rest
         logits = objective.forward(model, batch)
         if predict:  # of every row, repeated ones too: each rank then holds as many rows, as a gather needs

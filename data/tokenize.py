@@ -46,6 +46,9 @@ def tokenize_splits(splits: datasets.DatasetDict, tokenizer, text_column: str, m
 def make_collator(tokenizer, pad_to_max_length: bool, max_length: int, pad_to_multiple_of: int):
     """Pads each batch to its longest row (rounded up for tensor-core friendly shapes), or to ``max_length``.
 
+    Whether a batch has padding is decided here, on the host: a batch without any loses its attention mask, so the
+    model neither reads the mask back to check (a host-device sync per forward) nor passes it to attention, which
+    may then take its fused (flash) kernel; a batch with padding keeps it (task.py applies it unchecked).
     Batches come out as plain dicts: Fabric moves a dict's tensors one by one with ``non_blocking=True``, but calls a
     ``BatchEncoding``'s own ``.to(device)``, a blocking copy that waits for the GPU on every batch."""
     if pad_to_max_length:
@@ -56,4 +59,7 @@ def make_collator(tokenizer, pad_to_max_length: bool, max_length: int, pad_to_mu
 
 
 def _padded_dict(pad, rows) -> dict:
-    return dict(pad(rows))
+    batch = dict(pad(rows))
+    if batch["attention_mask"].all():
+        del batch["attention_mask"]
+    return batch

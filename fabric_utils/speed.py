@@ -62,7 +62,7 @@ def meta_copy(module: torch.nn.Module) -> torch.nn.Module:
 
 
 class Throughput:
-    """Rows, sizes and FLOPs counted on the device, read only at log steps, for ``ThroughputMonitor`` and ``stop()``;
+    """Rows, sizes and FLOPs counted on the host from batches before they move (no device read), for ``ThroughputMonitor`` and ``stop()``;
     the clock leaves out ``paused()`` time (validation, checkpoints), so figures compare across validation settings."""
 
     def __init__(self, fabric, peak_tflops: float | None, flops_of: Callable[[int, int, int], float], sized: bool):
@@ -70,7 +70,7 @@ class Throughput:
         self.monitor = ThroughputMonitor(fabric, window_size=5)
         if peak_tflops:  # Fabric knows the peak of common GPUs, not of CPUs nor of every GPU (H200)
             self.monitor.available_flops = peak_tflops * 1e12
-        self.counts = torch.zeros(3, dtype=torch.int64, device=fabric.device)  # rows, sizes, sum of sizes²
+        self.counts = torch.zeros(3, dtype=torch.int64)  # rows, sizes, sum of sizes², on the host
         self.flops_logged = 0.0
 
     def start(self, step: int) -> None:
@@ -90,14 +90,14 @@ class Throughput:
         return time.perf_counter() - self.start_time - self.paused_s
 
     def count(self, rows: int, sizes: torch.Tensor | None) -> None:
-        """``rows`` is a Python int (the batch's shape, no sync); ``sizes`` each row's, where the task gives sizes."""
+        """``rows`` is a Python int (the batch's shape); ``sizes`` each row's on the host, where the task gives them."""
         if sizes is None:
             self.counts[0] += rows
         else:
             self.counts += torch.stack((torch.ones_like(sizes).sum(), sizes.sum(), (sizes * sizes).sum()))
 
     def log(self, step: int) -> dict:
-        rows, tokens, tokens_sq = self.counts.tolist()  # sync: log steps only
+        rows, tokens, tokens_sq = self.counts.tolist()
         flops = self.flops_of(rows, tokens, tokens_sq)
         self.monitor.update(time=self.seconds(), batches=step - self.start_step, samples=rows,
                             lengths=tokens if self.sized else None,
@@ -108,7 +108,8 @@ class Throughput:
     def stop(self) -> dict:
         """Over all ranks: seconds, rows/s, sizes/s (tokens/s; with sizes only), MFU (None: peak unknown)."""
         seconds, peak = self.seconds(), self.monitor.available_flops
-        rows, tokens, tokens_sq = self.fabric.all_reduce(self.counts.double(), reduce_op="sum").tolist()
+        counts = self.counts.double().to(self.fabric.device)
+        rows, tokens, tokens_sq = self.fabric.all_reduce(counts, reduce_op="sum").tolist()
         flops = self.flops_of(rows, tokens, tokens_sq)  # linear in the sums: the job's FLOPs from the job's sums
         return {"train_time_s": seconds, "train_samples_per_s": rows / seconds,
                 **({"train_tokens_per_s": tokens / seconds} if self.sized else {}),
