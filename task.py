@@ -82,7 +82,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--pad-to-max-length", action="store_true", help="pad every row to --max-length (slow: "
                    "most rows are shorter)")
     g.add_argument("--pad-to-multiple-of", type=positive_int, default=8,
-                   help="round each batch's padded length up to a multiple of this (tensor-core friendly)")
+                   help="batches are padded to a few lengths (buckets), multiples of this (tensor-core friendly) "
+                        "growing by ~15%% each up to --max-length: few shapes for compiled graphs, little padding")
 
     g = parser.add_argument_group("model", "--lr's default follows the model's width (hidden size) and the run's "
                                   "length: " + "; ".join(f"up to {width}: {peaks(short, long)}"

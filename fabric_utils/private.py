@@ -12,6 +12,10 @@ from lightning.fabric.wrappers import _unwrap_compiled
 # per-module activation checkpointing, which FSDP2 and torchtitan use: PyTorch keeps it only in this private module
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     CheckpointWrapper, apply_activation_checkpointing, checkpoint_wrapper)
+# torch.compile's own counts: graphs compiled so far, recompiles included (Throughput counts those after warm-up)
+from torch._dynamo.utils import counters as dynamo_counters
+# whether torch.compile ties input sizes that happen to be equal (duck shapes): no public switch
+from torch.fx.experimental import _config as shape_config
 # a loader's worker processes, which a DataLoader has no public way to shut down (stop_workers)
 from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 

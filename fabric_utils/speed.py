@@ -2,17 +2,20 @@
 
 import contextlib
 import copy
+import itertools
 import os
 import resource
 import socket
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import numpy as np
 import torch
 from lightning.fabric.utilities.throughput import ThroughputMonitor, measure_flops
+
+from fabric_utils.private import dynamo_counters, shape_config
 
 
 def default_num_workers(fabric) -> int:
@@ -62,8 +65,9 @@ def meta_copy(module: torch.nn.Module) -> torch.nn.Module:
 
 
 class Throughput:
-    """Rows, sizes and FLOPs counted on the host from batches before they move (no device read), for ``ThroughputMonitor`` and ``stop()``;
-    the clock leaves out ``paused()`` time (validation, checkpoints), so figures compare across validation settings."""
+    """Rows, sizes and FLOPs counted on the host from batches before they move (no device read), for
+    ``ThroughputMonitor`` and ``stop()``, with torch.compile's recompiles after warm-up; the clock leaves out
+    ``paused()`` time (validation, checkpoints), so figures compare across validation settings."""
 
     def __init__(self, fabric, peak_tflops: float | None, flops_of: Callable[[int, int, int], float], sized: bool):
         self.fabric, self.flops_of, self.sized = fabric, flops_of, sized
@@ -77,6 +81,11 @@ class Throughput:
         if self.fabric.device.type == "cuda":  # a CPU process's peak resident memory cannot be reset
             torch.cuda.reset_peak_memory_stats(self.fabric.device)  # not the batch-size finder's or warm-up's peak
         self.start_time, self.start_step, self.paused_s = time.perf_counter(), step, 0.0
+        self.graphs_at_start = dynamo_counters["stats"]["unique_graphs"]
+
+    def recompiles(self) -> int:
+        """Graphs torch.compile built since ``start()`` (after warm-up): each one a stall, and none where shapes repeat."""
+        return dynamo_counters["stats"]["unique_graphs"] - self.graphs_at_start
 
     @contextlib.contextmanager
     def paused(self):
@@ -103,6 +112,8 @@ class Throughput:
                             lengths=tokens if self.sized else None,
                             flops=flops - self.flops_logged)  # it takes FLOPs since its last update
         self.flops_logged = flops
+        if dynamo_counters["stats"]["unique_graphs"]:  # a compiled model
+            self.fabric.log("compile/recompiles", self.recompiles(), step=step)
         return self.monitor.compute_and_log(step=step)
 
     def stop(self) -> dict:
@@ -113,17 +124,35 @@ class Throughput:
         flops = self.flops_of(rows, tokens, tokens_sq)  # linear in the sums: the job's FLOPs from the job's sums
         return {"train_time_s": seconds, "train_samples_per_s": rows / seconds,
                 **({"train_tokens_per_s": tokens / seconds} if self.sized else {}),
-                "mfu": flops / seconds / (peak * self.fabric.world_size) if peak else None}
+                "mfu": flops / seconds / (peak * self.fabric.world_size) if peak else None,
+                "recompiles_after_warm_up": self.recompiles()}
 
 
-def warm_up(fabric, model, optimizer, batch: dict, loss_fn: Callable[[torch.nn.Module, dict], torch.Tensor]) -> None:
-    """Compiles the training and evaluation graphs before the clock starts. The gradients are dropped, so the first
-    step is untouched, by the optimizer's ``zero_grad``: ZeRO-3 keeps them in shards only it clears."""
-    fabric.backward(loss_fn(model, batch))
-    optimizer.zero_grad(set_to_none=True)
+def compile_model(model: torch.nn.Module, mode: str | None = None, **kwargs) -> torch.nn.Module:
+    """torch.compile for batches of a few shapes: dynamic, so one graph takes every length (a graph per length would
+    compile each bucket, past dynamo's cache of 8; reduce-overhead still captures a CUDA graph per shape), with sizes
+    never tied to each other (16 rows of 16 tokens would tie rows to length, and the next batch recompile)."""
+    shape_config.use_duck_shape = False
+    return torch.compile(model, mode=mode, dynamic=True, **kwargs)
+
+
+def batch_kinds(batches: Iterable[dict], look_at: int = 50) -> list[dict]:
+    """One batch of each kind (set of inputs: a text batch with padding carries a mask, one without none, and each
+    takes its own compiled graph) among the first ``look_at`` of ``batches``, the later one of a kind kept."""
+    return list({frozenset(batch): batch for batch in itertools.islice(batches, look_at)}.values())
+
+
+def warm_up(fabric, model, optimizer, batches: list[dict],
+            loss_fn: Callable[[torch.nn.Module, dict], torch.Tensor]) -> None:
+    """Compiles the training and evaluation graphs of each kind of batch (``batch_kinds``) before the clock starts. The gradients are dropped, so the first step is untouched, by the
+    optimizer's ``zero_grad``: ZeRO-3 keeps them in shards only it clears."""
+    for batch in batches:
+        fabric.backward(loss_fn(model, batch))
+        optimizer.zero_grad(set_to_none=True)
     model.eval()
     with torch.no_grad():
-        loss_fn(model, batch)
+        for batch in batches:
+            loss_fn(model, batch)
     model.train()
 
 
