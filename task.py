@@ -19,6 +19,7 @@ from __future__ import annotations  # types are only named, never needed before 
 import argparse
 import contextlib
 import copy
+import functools
 import math
 import warnings
 from dataclasses import dataclass
@@ -79,7 +80,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--pad-to-max-length", action="store_true", help="pad every row to --max-length (slow: "
                    "most rows are shorter)")
     g.add_argument("--pad-to-multiple-of", type=positive_int, default=8,
-                   help="round each batch's padded length up to a multiple of this (tensor-core friendly)")
+                   help="batches are padded to a few lengths (buckets), multiples of this (tensor-core friendly) "
+                        "growing by ~15%% each up to --max-length: few shapes for compiled graphs, little padding")
 
     g = parser.add_argument_group("model", "--lr's default follows the model's width (hidden size) and the run's "
                                   "length: " + "; ".join(f"up to {width}: {peaks(short, long)}"
@@ -363,10 +365,13 @@ class ClassifierObjective:
     problem_type: str
     num_labels: int
 
+    def __post_init__(self):
+        apply_given_masks()
+
     def forward(self, model, batch: dict) -> torch.Tensor:
         """Logits: (rows, labels), or (rows,) for a one-output regression head."""
         # only the inputs the batch has: token_type_ids come with sentence pairs for the models that take them
-        # (DistilBERT's forward has no such argument), no attention mask with the unpadded dummy batch
+        # (DistilBERT's forward has no such argument), an attention mask only where the batch has padding
         logits = model(**{name: batch[name] for name in MODEL_INPUTS if name in batch}).logits
         return logits.squeeze(-1) if logits.shape[-1] == 1 else logits
 
@@ -463,9 +468,31 @@ def example_inputs(tokenizer, rows: int, length: int) -> dict[str, torch.Tensor]
     return {name: value.expand(rows, -1) for name, value in row.items()}
 
 
+def apply_given_masks() -> None:
+    """Has transformers' SDPA and eager attention apply a given attention mask without first reading it back to see
+    whether it masks anything (a host-device sync in every forward): the collate function leaves a batch a mask only
+    where it has padding. Without a mask, transformers skips it as before (no read), for encoders and decoders."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask, sdpa_mask
+
+    for name, make_mask in (("sdpa", sdpa_mask), ("eager", eager_mask)):
+        ALL_MASK_ATTENTION_FUNCTIONS[name] = functools.partial(_given_mask_applied, make_mask)
+
+
+def _given_mask_applied(make_mask, *args, attention_mask=None, **kwargs):
+    if attention_mask is not None:
+        kwargs.update(allow_is_causal_skip=False, allow_is_bidirectional_skip=False)
+    return make_mask(*args, attention_mask=attention_mask, **kwargs)
+
+
 def row_lengths(batch: dict) -> torch.Tensor:
-    """Tokens per row that are not padding: what throughput (tokens/s) and MFU count."""
-    return batch["attention_mask"].sum(dim=1)
+    """Tokens per row that are not padding, from the batch on the host (no device read): what throughput
+    (tokens/s) and MFU count. A batch without a mask has no padding."""
+    import torch
+
+    if "attention_mask" in batch:
+        return batch["attention_mask"].sum(dim=1)
+    rows, length = batch["input_ids"].shape
+    return torch.full((rows,), length)
 
 
 # ---- predictions on new rows: predict.py --------------------------------------------------------------------------

@@ -30,11 +30,13 @@ if __name__ == "__main__":
     exit_on_user_error(parse_args)()
 
 import functools
+import itertools
 import json
 import math
 from pathlib import Path
 
 import torch
+from lightning.fabric.strategies import DDPStrategy, SingleDeviceStrategy
 from torchmetrics import MeanMetric, SumMetric
 
 from fabric_utils.batch_size import find_batch_size
@@ -43,7 +45,7 @@ from fabric_utils.checkpoint import (agreed_resume_checkpoint, load_checkpoint, 
 from fabric_utils.export import export_model
 from fabric_utils.launcher import (build_fabric, clips_in_loop, explain_lost_peers, launch, offloads_optimizer,
                                    scales_loss, strategy_checkpoints_blocks, warn_if_updates_vanish)
-from fabric_utils.loaders import make_dataloaders
+from fabric_utils.loaders import fill_rows, first_rows, make_dataloaders
 from fabric_utils.loggers import finalize_loggers, make_loggers, plot_metrics, save_tracker_ids
 from fabric_utils.optim import build_optimizer, build_scheduler, count_parameters
 from fabric_utils.preemption import STATUS_FILE, Preemption
@@ -53,7 +55,8 @@ from fabric_utils.run_folder import (environment_report, locked_run_folder, prep
                                      save_config, write_predictions)
 from fabric_utils.sharding import declare_blocks, recompute_blocks, setup_model_and_optimizer
 from fabric_utils.task_spec import TaskSpec
-from fabric_utils.speed import Throughput, default_num_workers, peak_memory_per_rank, training_flops_fn, warm_up
+from fabric_utils.speed import (Throughput, batch_kinds, compile_model, default_num_workers, peak_memory_per_rank,
+                                 training_flops_fn, warm_up)
 
 
 @exit_on_user_error
@@ -141,8 +144,8 @@ def build(fabric, args, spec: TaskSpec, pretrained: bool):
     step_loss = functools.partial(training_loss, spec.objective)
     flops_of = training_flops_fn(  # FLOPs of forward and backward, for MFU
         model, step_loss, lambda size: spec.example_batch(1, size, "cpu"), max_size=spec.max_size)
-    if args.compile:  # fabric.setup recompiles it around the strategy's wrapper; dynamic: one graph for every length
-        model = torch.compile(model, mode=args.compile_mode, dynamic=True)
+    if args.compile:  # fabric.setup recompiles it around the strategy's wrapper
+        model = compile_model(model, mode=compile_mode(fabric, args.compile_mode))
     # at rate 0: the schedule sets the peak once the run's length, on which the default depends, is known
     model, optimizer, torch_optimizer = setup_model_and_optimizer(                              # Fabric step 3
         fabric, model, lambda module, shapes: build_optimizer(module, name=args.optimizer, lr=0.0,
@@ -152,6 +155,14 @@ def build(fabric, args, spec: TaskSpec, pretrained: bool):
     if source:
         load_pretrained(fabric, model, source)
     return model, optimizer, torch_optimizer, flops_of, params
+
+
+def compile_mode(fabric, mode: str) -> str:
+    """--compile-mode, whose default on CUDA under one device or DDP is reduce-overhead: CUDA graphs launch a step's
+    hundreds of kernels at once, as batches come in a few shapes (buckets); sharded strategies gather parameters
+    between kernels, which a graph cannot hold."""
+    graphs_fit = fabric.device.type == "cuda" and isinstance(fabric.strategy, (SingleDeviceStrategy, DDPStrategy))
+    return "reduce-overhead" if mode == "default" and graphs_fit else mode
 
 
 ROWS_PER_STEP = "rows per optimizer step (--batch-size x devices x --grad-accum)"
@@ -217,8 +228,10 @@ def make_loaders(fabric, args, spec: TaskSpec) -> dict:
         rank=fabric.global_rank, seed=args.seed, group_by_length=args.group_by_length,
         num_workers=default_num_workers(fabric) if args.num_workers is None else args.num_workers,
         pin_memory=fabric.device.type == "cuda", grad_accum=args.grad_accum)
-    # the samplers already shard rows across ranks, so Fabric only moves batches to the device
-    return dict(zip(loaders, fabric.setup_dataloaders(*loaders.values(), use_distributed_sampler=False)))
+    # the samplers already shard rows across ranks; batches reach the loop on the host, where it counts their rows
+    # and tokens without reading the device, and fabric.to_device moves them (non-blocking from pinned memory)
+    return dict(zip(loaders, fabric.setup_dataloaders(*loaders.values(), use_distributed_sampler=False,
+                                                      move_to_device=False)))
 
 
 def training_loss(objective, model, batch: dict) -> torch.Tensor:
@@ -235,7 +248,9 @@ def fit(fabric, args, state, loaders, preemption, ckpt_dir, max_steps, steps_per
                         start_step=state["step"], chance_loss=spec.chance_loss, losses=state["train_losses"])
     monitor = Throughput(fabric, args.peak_tflops, flops_of, sized=spec.row_sizes is not None)
     if args.compile:
-        warm_up(fabric, model, optimizer, next(iter(train_loader)), functools.partial(training_loss, objective))
+        kinds = batch_kinds(itertools.chain([spec.example_batch(args.batch_size, None, "cpu")], train_loader))
+        warm_up(fabric, model, optimizer, [fabric.to_device(fill_rows(batch, args.batch_size)) for batch in kinds],
+                functools.partial(training_loss, objective))
     fabric.barrier()
     monitor.start(state["step"])
     stale, preempted, stop = 0, False, False
@@ -243,17 +258,20 @@ def fit(fabric, args, state, loaders, preemption, ckpt_dir, max_steps, steps_per
         train_loader.batch_sampler.set_epoch(state["epoch"], start_batch=state["batch_in_epoch"])
         epoch_batches = state["batch_in_epoch"] + len(train_loader)  # the sampler skips what a resume has done
         for batch in train_loader:
+            rows = len(batch["labels"])
+            monitor.count(rows, spec.row_sizes(batch) if spec.row_sizes else None)
+            # a short last batch takes the others' shape; its filling rows are left out of the loss
+            batch = fabric.to_device(fill_rows(batch, args.batch_size))
             # the micro-batches one optimizer step averages: --grad-accum, fewer at the end of the epoch
             group_start = state["batch_in_epoch"] - state["batch_in_epoch"] % args.grad_accum
             group_size = min(args.grad_accum, epoch_batches - group_start)
             state["batch_in_epoch"] += 1
             is_last = state["batch_in_epoch"] == group_start + group_size
             with fabric.no_backward_sync(model, enabled=not is_last):  # DDP all-reduces only on the last
-                logits = objective.forward(model, batch)
-                loss = objective.loss(logits, batch)
+                logits = objective.forward(model, batch)[:rows]
+                loss = objective.loss(logits, first_rows(batch, rows))
                 fabric.backward(loss / group_size)                                           # Fabric step 4
-            progress.update(loss, logits, batch["labels"])
-            monitor.count(len(batch["labels"]), spec.row_sizes(batch) if spec.row_sizes else None)
+            progress.update(loss, logits, batch["labels"][:rows])
             if not is_last:
                 continue
             if args.grad_clip and clips_in_loop(fabric):  # DeepSpeed clips inside optimizer.step()
@@ -329,18 +347,20 @@ def evaluate(fabric, model, loader, objective, predict: bool = False) -> dict:
     model.eval()
     mean_loss, rows = MeanMetric().to(fabric.device), SumMetric().to(fabric.device)
     metrics = objective.make_metrics().to(fabric.device)
-    remaining = loader.batch_sampler.num_real  # the rest repeat a row so all ranks run the same number of batches
+    remaining = loader.batch_sampler.num_real  # the rest repeat a row: all ranks run as many batches, of one size
     predicted = []
     for batch in loader:
+        batch = fabric.to_device(batch)
         # every rank runs every forward, repeated rows too: under fsdp, fsdp2 and ZeRO-3 a skipped one hangs the rest
         logits = objective.forward(model, batch)
         if predict:  # of every row, repeated ones too: each rank then holds as many rows, as a gather needs
-            predicted.append(objective.predict(logits, batch))
+            # copies: a CUDA graph (reduce-overhead) writes its next outputs where these are
+            predicted.append({name: value.clone() for name, value in objective.predict(logits, batch).items()})
         real = min(len(logits), remaining)
         remaining -= real
         if real == 0:
             continue
-        batch, logits = {name: value[:real] for name, value in batch.items()}, logits[:real]
+        batch, logits = first_rows(batch, real), logits[:real]
         mean_loss.update(objective.loss(logits, batch, reduction="none"))
         metrics.update(logits, batch["labels"])
         rows.update(real)
