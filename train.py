@@ -32,6 +32,7 @@ if __name__ == "__main__":
 import functools
 import json
 import math
+import os
 from pathlib import Path
 
 import torch
@@ -53,7 +54,9 @@ from fabric_utils.run_folder import (environment_report, locked_run_folder, prep
                                      save_config, write_predictions)
 from fabric_utils.sharding import declare_blocks, recompute_blocks, setup_model_and_optimizer
 from fabric_utils.task_spec import TaskSpec
-from fabric_utils.speed import Throughput, default_num_workers, peak_memory_per_rank, training_flops_fn, warm_up
+from fabric_utils.speed import (Throughput, default_num_workers, peak_memory_per_rank, processes_sharing,
+                                training_flops_fn, warm_up)
+from fabric_utils.threads import set_threads
 
 
 @exit_on_user_error
@@ -78,6 +81,8 @@ def setup(argv=None) -> dict:
 
 def main(fabric, args, out_dir: Path) -> dict:
     fabric.seed_everything(args.seed)
+    # before any heavy work: threads beyond the cores, this job's or another's, fight and the run crawls
+    threads = set_threads(args.num_threads, sharing=processes_sharing(fabric, os.sched_getaffinity(0)))
     preemption = Preemption()  # from here on, SIGTERM/SIGUSR1 lead to a checkpoint, not a lost run
     if fabric.device.type == "cuda":  # TF32 matrix products and cuDNN autotuning: free speed on Ampere+ GPUs
         torch.set_float32_matmul_precision("high")
@@ -114,7 +119,7 @@ def main(fabric, args, out_dir: Path) -> dict:
     save_config(fabric, args, out_dir, resumed_at=state["step"] if resume_from else None, environment=env)
     save_tracker_ids(fabric, out_dir)  # starts the tracked runs (MLflow, W&B) and keeps their ids for a resume
     if not args.quiet:
-        say(header(fabric, args, spec, max_steps, steps_per_epoch, out_dir))
+        say(header(fabric, args, spec, max_steps, steps_per_epoch, out_dir, threads))
 
     if fit(fabric, args, state, loaders=loaders, preemption=preemption, ckpt_dir=out_dir / "checkpoints",
            max_steps=max_steps, steps_per_epoch=steps_per_epoch, flops_of=flops_of, spec=spec):
@@ -178,7 +183,7 @@ def restore(fabric, args, spec: TaskSpec, model, optimizer, scheduler, max_steps
     return state
 
 
-def header(fabric, args, spec: TaskSpec, max_steps: int, steps_per_epoch: int, out_dir: Path) -> str:
+def header(fabric, args, spec: TaskSpec, max_steps: int, steps_per_epoch: int, out_dir: Path, threads: str) -> str:
     """What the run is about to do, in four lines."""
     splits = ", ".join(f"{len(rows):,} {name}" for name, rows in spec.datasets.items())
     devices, nodes = fabric.world_size, getattr(fabric.strategy, "num_nodes", 1)
@@ -190,7 +195,7 @@ def header(fabric, args, spec: TaskSpec, max_steps: int, steps_per_epoch: int, o
         f"{devices} device{'s' * (devices > 1)} x --grad-accum {args.grad_accum}), peak --lr {args.lr:.3g}",
         f"launch    {devices} {fabric.device.type} process{'es' * (devices > 1)}"
         + (f" on {nodes} nodes" if nodes > 1 else "")
-        + f", {type(fabric.strategy).__name__}, precision {fabric.strategy.precision.precision}",
+        + f", {type(fabric.strategy).__name__}, precision {fabric.strategy.precision.precision}, {threads} per process",
         f"run       {out_dir} (environment.json there: versions and hardware)"])
 
 

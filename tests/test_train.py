@@ -5,6 +5,7 @@ import json
 import os
 import re
 import signal
+import subprocess
 import sys
 
 import pytest
@@ -12,8 +13,8 @@ import torch
 import yaml
 
 import task
-from conftest import (SMALL_DEMO, Job, build_fabric_from_flags, fabric_cli, kill_all, logged, resumed_step, run,
-                      train)
+from conftest import (REPO, SMALL_DEMO, Job, build_fabric_from_flags, fabric_cli, kill_all, logged, resumed_step, run,
+                      subprocess_env, train)
 from fabric_utils.batch_size import MAX_BATCH, find_batch_size
 from train import parse_args
 
@@ -85,8 +86,14 @@ def test_two_cpu_processes_count_every_row_once(tmp_path, launch):
         assert sum(line.startswith("step ") and " left" in line for line in done.stdout.splitlines()) >= 3
         results = json.loads((tmp_path / "results.json").read_text())
     else:
-        run([fabric_cli(), "run", *flags, "train.py", *SMALL_DEMO, "--out-dir", str(tmp_path)])
+        # as a user starts it: `fabric run` then sets OMP_NUM_THREADS to every CPU in each process
+        env = {name: value for name, value in subprocess_env().items() if name != "OMP_NUM_THREADS"}
+        done = subprocess.run([fabric_cli(), "run", *flags, "train.py", *SMALL_DEMO, "--out-dir", str(tmp_path)],
+                              cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
         results = json.loads((tmp_path / "results.json").read_text())
+        # the two processes share the cores (the idle ones) instead of each starting a thread per core
+        assert 1 <= results["environment"]["torch_threads"] <= max(1, len(os.sched_getaffinity(0)) // 2)
     assert results["world_size"] == 2
     assert {k: results[k] for k in SMALL_SIZES} == SMALL_SIZES
     peaks = results["peak_memory_mb_per_rank"]  # each rank's own resident peak, not rank 0's twice
