@@ -104,6 +104,11 @@ def main(fabric, args, out_dir: Path) -> dict:
         found = find_batch_size(fabric, model, optimizer, loss_fn=functools.partial(training_loss, spec.objective),
                                 make_batch=lambda rows: spec.example_batch(rows, None, fabric.device))
         args = with_values(args, {"batch_size": found})  # config.yaml records it
+    per_device = math.ceil(len(spec.datasets["train"]) / fabric.world_size)
+    if args.batch_size > per_device:  # a batch holds what there is: the header and config.yaml say what is used
+        say(f"--batch-size {args.batch_size} is more than the {per_device:,} training rows per device: using "
+            f"{per_device}")
+        args = with_values(args, {"batch_size": per_device})
     if resume_from:  # a requeued job may come back on fewer devices: it continues with the same optimizer steps
         args = with_values(args, {"grad_accum": keep_rows_per_step(fabric, args, read_record(resume_from))})
     loaders = make_loaders(fabric, args, spec)

@@ -3,6 +3,7 @@ torch or Lightning, so ``--help`` and a bad value answer at once."""
 
 import argparse
 import contextlib
+import difflib
 import os
 from pathlib import Path
 
@@ -52,9 +53,28 @@ def batch_size(text: str):
 
 
 class Parser(argparse.ArgumentParser):
+    def __init__(self, **kwargs):
+        super().__init__(allow_abbrev=False, **kwargs)  # a misspelt flag is refused, not taken for a longer one
+
     def error(self, message: str):
         """One line, as every other bad input: the usage block is for --help."""
         self.exit(2, f"error: {message}\n")
+
+    def parse_args(self, args=None, namespace=None):
+        """As argparse's, but an unknown flag is named with the closest known one."""
+        parsed, unknown = self.parse_known_args(args, namespace)
+        if unknown:
+            self.error(self.unknown_flags(unknown))
+        return parsed
+
+    def unknown_flags(self, words: list[str]) -> str:
+        flags = [word.split("=", 1)[0] for word in words if word.startswith("--")]
+        if not flags:
+            return f"unrecognized arguments: {' '.join(words)}"
+        known = [option for action in self._actions for option in action.option_strings]
+        named = [flag + "".join(f" (did you mean {close}?)" for close in difflib.get_close_matches(flag, known, n=1))
+                 for flag in flags]
+        return f"unknown flag{'s' * (len(flags) > 1)} {', '.join(named)}; --help lists every flag"
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
