@@ -181,8 +181,8 @@ def build_parser(description: str) -> argparse.ArgumentParser:
                    "N validations in a row (the best model is still tested and exported)")
     g.add_argument("--save-every", type=positive_int, help="also checkpoint every N optimizer steps")
     g.add_argument("--keep-last", type=positive_int, default=2, help="keep this many newest step checkpoints")
-    g.add_argument("--resume", help="auto: continue from the newest checkpoint in --out-dir (fresh start if none); "
-                   "or a checkpoint folder")
+    g.add_argument("--resume", help="auto: continue from the newest checkpoint in --out-dir (fresh start if none), "
+                   "with the flags of its config.yaml unless --config is given; or a checkpoint folder")
     g.add_argument("--logger", default="csv", help="comma list of csv, tensorboard, mlflow, wandb (the CSV log is "
                    "always written: the plots read it)")
     g.add_argument("--tracker-project", default="fabric-template", help="MLflow experiment and W&B project name "
@@ -196,10 +196,12 @@ def build_parser(description: str) -> argparse.ArgumentParser:
 
 
 def parse_flags(parser: argparse.ArgumentParser, argv=None, presets: dict | None = None) -> argparse.Namespace:
-    """Parses ``argv``; ``--config FILE`` values become defaults, and ``presets`` maps a flag to the defaults it
-    brings when set (``{"demo": {"epochs": 1}}``): the file wins over presets, the command line over both."""
+    """Parses ``argv``; ``--config FILE`` values (resuming a run folder: its ``config.yaml``'s) become defaults, and
+    ``presets`` maps a flag to the defaults it brings when set (``{"demo": {"epochs": 1}}``): the file wins over
+    presets, the command line over both."""
     args = parser.parse_args(argv)
-    config = load_config(args.config, parser) if args.config else {}
+    config_file = args.config or run_config(args.out_dir, args.resume)
+    config = load_config(config_file, parser) if config_file else {}
     parser.set_defaults(**config)
     args = parser.parse_args(argv)
     for flag, defaults in (presets or {}).items():
@@ -211,6 +213,14 @@ def parse_flags(parser: argparse.ArgumentParser, argv=None, presets: dict | None
             raise UserError(f"unknown logger {name!r}: --logger takes a comma list of {', '.join(LOGGER_NAMES)}")
     fabric_run_settings({name: getattr(args, name) for name in LAUNCH_DEFAULTS})  # checked before torch loads
     return args
+
+
+def run_config(out_dir: str | None, resume: str | None) -> str | None:
+    """The flags of the run that ``--resume auto`` continues (its ``config.yaml``), so that ``--out-dir`` is all a
+    resume needs; a flag given now that changes the run is refused when its checkpoint is read."""
+    if resume == "auto" and out_dir and (path := Path(out_dir) / "config.yaml").is_file():
+        return str(path)
+    return None
 
 
 def with_values(args: argparse.Namespace, values: dict) -> argparse.Namespace:
