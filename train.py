@@ -33,6 +33,7 @@ import functools
 import json
 import math
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -119,15 +120,16 @@ def main(fabric, args, out_dir: Path) -> dict:
     warn_if_updates_vanish(fabric.strategy.precision, lr=args.lr)
     scheduler = build_scheduler(torch_optimizer, args.scheduler, lr=args.lr, max_steps=max_steps, warmup=args.warmup,
                                 min_lr_rate=args.min_lr_rate)
+    best = best_rule(spec.objective, args.best_metric)
     state = restore(fabric, args, spec, model, optimizer, scheduler, max_steps, checkpoint=resume_from)
     # only now: bad data, model or checkpoint leave the folder as it was; each resumed segment keeps its own flags
     save_config(fabric, args, out_dir, resumed_at=state["step"] if resume_from else None, environment=env)
     save_tracker_ids(fabric, out_dir)  # starts the tracked runs (MLflow, W&B) and keeps their ids for a resume
     if not args.quiet:
-        say(header(fabric, args, spec, max_steps, steps_per_epoch, out_dir, threads))
+        say(header(fabric, args, spec, max_steps, steps_per_epoch, out_dir, threads, best))
 
     if fit(fabric, args, state, loaders=loaders, preemption=preemption, ckpt_dir=out_dir / "checkpoints",
-           max_steps=max_steps, steps_per_epoch=steps_per_epoch, flops_of=flops_of, spec=spec):
+           max_steps=max_steps, steps_per_epoch=steps_per_epoch, flops_of=flops_of, spec=spec, best=best):
         finalize_loggers(fabric.loggers, status="preempted")  # this segment's metrics stay on disk
         say(f"preempted: saved a checkpoint at step {state['step']}; rerun with --resume auto")
         preemption.exit(fabric, loaders, out_dir, step=state["step"],  # status EXIT_PREEMPTED (75)
@@ -188,7 +190,36 @@ def restore(fabric, args, spec: TaskSpec, model, optimizer, scheduler, max_steps
     return state
 
 
-def header(fabric, args, spec: TaskSpec, max_steps: int, steps_per_epoch: int, out_dir: Path, threads: str) -> str:
+def best_rule(objective, choice: str | None) -> tuple[str, str, Callable[[float, float | None], bool]]:
+    """The validation metric that picks checkpoints/best, its direction and its comparison: the task's, or
+    ``--best-metric NAME[:max|:min]`` (the loss, or a metric whose torchmetrics class knows its direction)."""
+    if choice is None:
+        direction = {True: "max", False: "min"}.get(getattr(objective, "higher_is_better", None), "the task's rule")
+        return objective.best_metric, direction, objective.is_better
+    name, _, direction = choice.partition(":")
+    metrics = objective.make_metrics()
+    if name != "loss" and name not in metrics:
+        raise UserError(f"--best-metric {choice}: the validation metrics are {', '.join(['loss', *metrics])}")
+    if not direction:
+        higher = False if name == "loss" else getattr(metrics[name], "higher_is_better", None)
+        if higher is None:
+            raise UserError(f"--best-metric {name}: its direction is not known; pass {name}:max or {name}:min")
+        direction = "max" if higher else "min"
+    if direction not in ("max", "min"):
+        raise UserError(f"--best-metric {choice}: the direction is max or min, got {direction}")
+    return name, direction, lambda value, best: best is None or (value > best if direction == "max" else value < best)
+
+
+def improves(val: dict, best: dict, metric: str, is_better) -> bool:
+    """Whether validation results ``val`` beat ``best``'s on ``metric``; a tie (an accuracy of 1.0 reached early, say)
+    goes to the lower validation loss, so the export is the model that went on learning."""
+    if best and val[metric] == best[metric]:
+        return val["loss"] < best["loss"]
+    return is_better(val[metric], best.get(metric))
+
+
+def header(fabric, args, spec: TaskSpec, max_steps: int, steps_per_epoch: int, out_dir: Path, threads: str,
+           best: tuple) -> str:
     """What the run is about to do, in four lines."""
     splits = ", ".join(f"{len(rows):,} {name}" for name, rows in spec.datasets.items())
     devices, nodes = fabric.world_size, getattr(fabric.strategy, "num_nodes", 1)
@@ -201,7 +232,8 @@ def header(fabric, args, spec: TaskSpec, max_steps: int, steps_per_epoch: int, o
         f"launch    {devices} {fabric.device.type} process{'es' * (devices > 1)}"
         + (f" on {nodes} nodes" if nodes > 1 else "")
         + f", {type(fabric.strategy).__name__}, precision {fabric.strategy.precision.precision}, {threads} per process",
-        f"run       {out_dir} (environment.json there: versions and hardware)"])
+        f"run       {out_dir} (environment.json there: versions and hardware), checkpoints/best by validation "
+        f"{best[0]} ({best[1]})"])
 
 
 def keep_rows_per_step(fabric, args, record: dict) -> int:
@@ -236,8 +268,9 @@ def training_loss(objective, model, batch: dict) -> torch.Tensor:
 
 
 def fit(fabric, args, state, loaders, preemption, ckpt_dir, max_steps, steps_per_epoch, flops_of,
-        spec: TaskSpec) -> bool:
-    """Trains until ``max_steps``, early stopping or preemption; returns whether it was preempted."""
+        spec: TaskSpec, best: tuple) -> bool:
+    """Trains until ``max_steps``, early stopping or preemption (``best``: the rule that keeps checkpoints/best);
+    returns whether it was preempted."""
     model, optimizer, scheduler, train_loader = state["model"], state["optimizer"], state["scheduler"], loaders["train"]
     objective = spec.objective
     progress = Progress(fabric, max_steps, args.quiet, metrics=objective.make_metrics(),
@@ -283,7 +316,7 @@ def fit(fabric, args, state, loaders, preemption, ckpt_dir, max_steps, steps_per
                     val = validate(fabric, model, loaders["validation"], objective=objective, step=step,
                                    show=progress.note)
                     warn_if_stuck(progress, val["loss"], step, max_lr=args.lr)
-                    if objective.is_better(val[objective.best_metric], state["best_val"].get(objective.best_metric)):
+                    if improves(val, state["best_val"], metric=best[0], is_better=best[2]):
                         state["best_val"], stale = val, 0  # the best model so far is kept as checkpoints/best
                         best = {"model": model, "fingerprint": state["fingerprint"], "step": step}
                         save_checkpoint(fabric, ckpt_dir, "best", best)

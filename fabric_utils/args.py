@@ -177,6 +177,9 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     g = p.add_argument_group("evaluation, checkpoints and output")
     g.add_argument("--val-every", type=positive_int, help="also validate every N optimizer steps")
     g.add_argument("--out-dir", help="run folder (default: a new folder under runs/)")
+    g.add_argument("--best-metric", help="the validation metric that picks checkpoints/best (and --early-stop): loss "
+                   "or one of the task's metrics, NAME:max or NAME:min where its direction is not known (default: the "
+                   "task's, e.g. acc); ties go to the lower validation loss")
     g.add_argument("--early-stop", type=positive_int, help="stop when the validation metric has not improved for "
                    "N validations in a row (the best model is still tested and exported)")
     g.add_argument("--save-every", type=positive_int, help="also checkpoint every N optimizer steps")
