@@ -123,7 +123,7 @@ def setup(args: argparse.Namespace, verbose: bool) -> TaskSpec:
                      drop_invalid=args.drop_invalid, text_pair_column=args.text_pair_column)
     # config.yaml and results.json record what the run trained: the demo's data and model, the draw, what auto chose
     chosen = {"dataset": dataset, "model": model, "data_seed": data_seed, "problem_type": data.problem_type}
-    objective = ClassifierObjective(data.problem_type, num_labels=len(data.label_names))
+    objective = ClassifierObjective(data.problem_type, num_labels=len(data.label_names), label_names=data.label_names)
     from data.tokenize import make_collator
 
     def build(weights: bool = True) -> torch.nn.Module:
@@ -146,7 +146,7 @@ def setup(args: argparse.Namespace, verbose: bool) -> TaskSpec:
               "problem_type": data.problem_type, "--dataset": "--demo" if args.demo else dataset,
               "--max-length": args.max_length, "--train-size": args.train_size, "--data-seed": data_seed},
         sizes={name: split["length"] for name, split in data.splits.items()}, row_sizes=row_lengths,
-        max_size=args.max_length, notes=data.notes,
+        max_size=args.max_length, notes=data.notes, prediction_table=objective.table,
         chance_loss={name: objective.chance_loss(data.splits[name]["labels"], fitted_on=data.splits["train"]["labels"])
                      for name in ("train", "validation")},
         default_lr=lambda steps: learning_rate_for(load_model_config(data.model_source), steps, lora=bool(args.lora_r),
@@ -333,6 +333,7 @@ class ClassifierObjective:
     squared error, RMSE and Pearson correlation). ``best_metric`` picks checkpoints/best."""
     problem_type: str
     num_labels: int
+    label_names: list[str] | None = None  # in id order: the predictions files name each label beside its id
 
     def forward(self, model, batch: dict) -> torch.Tensor:
         """Logits: (rows, labels), or (rows,) for a one-output regression head."""
@@ -401,12 +402,33 @@ class ClassifierObjective:
         logits = logits.float()
         label = {"label": batch["labels"]} if "labels" in batch else {}  # new rows to predict have none
         if self.problem_type == "single_label":
-            score, predicted = logits.softmax(dim=-1).max(dim=-1)
-            return {**label, "predicted": predicted, "score": score}
+            probabilities = logits.softmax(dim=-1)
+            score, predicted = probabilities.max(dim=-1)
+            return {**label, "predicted": predicted, "score": score, "probabilities": probabilities}
         if self.problem_type == "multi_label":
             score = logits.sigmoid()
             return {**{k: v.int() for k, v in label.items()}, "predicted": (score > 0.5).int(), "score": score}
         return {**label, "predicted": logits}
+
+    def table(self, columns: dict) -> dict[str, list]:
+        """``predict``'s columns (gathered: every row's) as the predictions files show them: each label's name after
+        its id (multi_label: the names of the labels on, comma-separated) and a probability per class, named."""
+        probabilities = columns.pop("probabilities", None)
+        if self.problem_type == "multi_label":
+            probabilities = columns["score"]
+        table = {}
+        for name, column in columns.items():
+            table[name] = column.tolist()
+            if name in ("label", "predicted") and self.label_names and self.problem_type != "regression":
+                table[f"{name}_name"] = [self.name_of(value) for value in table[name]]
+        if probabilities is not None and self.label_names:
+            table.update({f"score_{name}": probabilities[:, i].tolist() for i, name in enumerate(self.label_names)})
+        return table
+
+    def name_of(self, value) -> str:
+        if self.problem_type == "multi_label":
+            return ",".join(name for name, on in zip(self.label_names, value) if on)
+        return self.label_names[value]
 
     def dummy_batch(self, rows: int, length: int, vocab_size: int, device) -> dict:
         """Rows of ``length`` random tokens, no padding (so no attention mask: also what a meta-device model needs),
@@ -425,12 +447,13 @@ def row_lengths(batch: dict) -> torch.Tensor:
 
 
 # ---- predictions on new rows: predict.py --------------------------------------------------------------------------
-def predict(folder: Path, source: Path, flags: dict, batch_size: int) -> dict[str, torch.Tensor]:
+def predict(folder: Path, source: Path, flags: dict, batch_size: int) -> dict[str, list]:
     """The exported model's (``folder``) predictions for each row of the file ``source``, whose texts are read as the
-    run that trained the model read its data (``flags``: its config.yaml): ``ClassifierObjective.predict``'s columns
+    run that trained the model read its data (``flags``: its config.yaml): ``ClassifierObjective.table``'s columns
     and each row's index."""
     import datasets
     import torch
+    from tqdm import tqdm
     from transformers import AutoModelForSequenceClassification
 
     from data.sources import read_rows
@@ -446,15 +469,18 @@ def predict(folder: Path, source: Path, flags: dict, batch_size: int) -> dict[st
     tokenizer = load_tokenizer(str(folder))
     model = AutoModelForSequenceClassification.from_pretrained(folder).eval()
     problem_type = {hf: name for name, hf in HF_PROBLEM_TYPES.items()}[model.config.problem_type]
-    objective = ClassifierObjective(problem_type, num_labels=model.config.num_labels)
+    objective = ClassifierObjective(problem_type, num_labels=model.config.num_labels,
+                                    label_names=[model.config.id2label[i] for i in range(model.config.num_labels)])
     inputs = tokenize_splits(datasets.DatasetDict(rows=rows.select_columns(texts)), tokenizer, flags["text_column"],
                              flags["max_length"], flags["text_pair_column"])["rows"].remove_columns("length")
     collate = make_collator(tokenizer, False, flags["max_length"], flags["pad_to_multiple_of"])
     predicted = []
+    batches = torch.utils.data.DataLoader(inputs, batch_size=batch_size, collate_fn=collate)
     with torch.no_grad():
-        for batch in torch.utils.data.DataLoader(inputs, batch_size=batch_size, collate_fn=collate):
+        for batch in tqdm(batches, desc="predicting", unit="batch", disable=None):  # a bar on a terminal only
             predicted.append(objective.predict(objective.forward(model, batch), batch))
-    return {"row": torch.arange(len(rows)), **{name: torch.cat([b[name] for b in predicted]) for name in predicted[0]}}
+    return objective.table({"row": torch.arange(len(rows)),
+                            **{name: torch.cat([b[name] for b in predicted]) for name in predicted[0]}})
 
 
 # ---- export ----------------------------------------------------------------------------------------------------------

@@ -424,7 +424,8 @@ def finish(fabric, args, state, loaders, out_dir, spec: TaskSpec, report) -> dic
                **state["throughput"], "peak_memory_mb_per_rank": peaks, **report, "config": vars(args)}
     finalize_loggers(fabric.loggers)  # flushes metrics.csv, which the plots read; ends the tracked runs
     if fabric.is_global_zero:
-        write_predictions(out_dir / "test_predictions.csv", predictions)
+        write_predictions(out_dir / "test_predictions.csv",
+                          spec.prediction_table(predictions) if spec.prediction_table else predictions)
         (out_dir / "results.json").write_text(json.dumps(results, indent=2))
         (out_dir / STATUS_FILE).unlink(missing_ok=True)  # a resumed run that completed is no longer preempted
         plot_metrics(out_dir)

@@ -107,3 +107,29 @@ def test_chance_loss_is_what_the_best_constant_output_on_the_training_labels_sco
     nudged = output + 0.05 * torch.linspace(1, -1, output.numel()).reshape(output.shape)  # another constant: worse
     assert objective.loss(nudged.expand(len(train_labels), *output.shape), {"labels": train_labels}).item() > \
         objective.chance_loss(train_labels, fitted_on=train_labels)
+
+
+def test_the_predictions_files_name_each_label_and_score_each_class():
+    """test_predictions.csv and predict.py's predictions.csv: the label's name beside its id, a probability per class."""
+    import torch
+
+    from task import ClassifierObjective
+
+    single = ClassifierObjective("single_label", 3, label_names=["business", "sport", "tech"])
+    logits = torch.tensor([[0.0, 2.0, 0.0], [3.0, 0.0, 1.0]])
+    columns = {"row": torch.arange(2), **single.predict(logits, {"labels": torch.tensor([1, 2])})}
+    table = single.table(columns)
+    assert list(table)[:6] == ["row", "label", "label_name", "predicted", "predicted_name", "score"]
+    assert table["label_name"] == ["sport", "tech"] and table["predicted_name"] == ["sport", "business"]
+    probabilities = logits.softmax(dim=-1)
+    assert table["score_tech"] == pytest.approx(probabilities[:, 2].tolist())
+    assert table["score"] == pytest.approx(probabilities.max(dim=-1).values.tolist())
+
+    multi = ClassifierObjective("multi_label", 3, label_names=["complaint", "plot", "praise"])
+    table = multi.table(multi.predict(torch.tensor([[2.0, -2.0, 3.0]]), {"labels": torch.tensor([[1.0, 1.0, 0.0]])}))
+    assert table["label_name"] == ["complaint,plot"] and table["predicted_name"] == ["complaint,praise"]
+    assert table["score_plot"] == pytest.approx([torch.tensor(-2.0).sigmoid().item()])
+
+    regression = ClassifierObjective("regression", 1, label_names=["label"])
+    table = regression.table(regression.predict(torch.tensor([0.5]), {"labels": torch.tensor([0.25])}))
+    assert table == {"label": [0.25], "predicted": [0.5]}  # a value has no name

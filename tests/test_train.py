@@ -43,6 +43,10 @@ def test_demo_learns_and_leaves_a_complete_run_folder(tmp_path):
     predictions = read_predictions(tmp_path)
     assert [int(row["row"]) for row in predictions] == list(range(1000))  # every test row once, in order
     assert accuracy(predictions) == pytest.approx(results["test_acc"], abs=1e-6)
+    names = ["negative", "positive"]  # each label by name too, and each class's probability
+    assert all(row["label_name"] == names[int(row["label"])] and row["predicted_name"] == names[int(row["predicted"])]
+               and float(row["score"]) == max(float(row["score_negative"]), float(row["score_positive"]))
+               for row in predictions)
 
     # predict.py on the test file gives the run's own predictions, from the export, without labels
     run([sys.executable, "predict.py", str(tmp_path), str(task.DEMO_ROOT / "data" / "test.parquet")])
@@ -56,6 +60,10 @@ def test_demo_learns_and_leaves_a_complete_run_folder(tmp_path):
     assert done.returncode == 2 and done.stderr.splitlines() == [
         f"error: {tmp_path / 'untitled.csv'} has no column 'text' (its columns: ['review']); the model was trained "
         f"on text"]
+    run([sys.executable, "predict.py", str(tmp_path), str(tmp_path / "untitled.csv"), "--text-column", "review"])
+    with open(tmp_path / "predictions.csv", newline="") as f:
+        [row] = list(csv.DictReader(f))
+    assert row["predicted_name"] in names and {"score_negative", "score_positive"} <= set(row)
 
 
 def read_predictions(out_dir) -> list[dict]:
