@@ -50,7 +50,7 @@ from fabric_utils.loggers import finalize_loggers, make_loggers, plot_metrics, s
 from fabric_utils.optim import build_optimizer, build_scheduler, count_parameters
 from fabric_utils.preemption import STATUS_FILE, Preemption
 from fabric_utils.pretrained import build_model, load_pretrained
-from fabric_utils.progress import Progress, say, shows_bars, silence_libraries
+from fabric_utils.progress import Progress, counted, say, shows_bars, silence_libraries
 from fabric_utils.run_folder import (environment_report, locked_run_folder, prepare_out_dir, remove_if_unused,
                                      save_config, write_predictions)
 from fabric_utils.sharding import declare_blocks, recompute_blocks, setup_model_and_optimizer
@@ -314,7 +314,7 @@ def fit(fabric, args, state, loaders, preemption, ckpt_dir, max_steps, steps_per
             if epoch_ends or (args.val_every and step % args.val_every == 0) or step == max_steps:
                 with monitor.paused():  # the throughput clock counts training time only
                     val = validate(fabric, model, loaders["validation"], objective=objective, step=step,
-                                   show=progress.note)
+                                   show=progress.note, quiet=args.quiet)
                     warn_if_stuck(progress, val["loss"], step, max_lr=args.lr)
                     if improves(val, state["best_val"], metric=best[0], is_better=best[2]):
                         state["best_val"], stale = val, 0  # the best model so far is kept as checkpoints/best
@@ -357,24 +357,25 @@ def warn_if_stuck(progress, val_loss, step, max_lr) -> None:
             f"--lr (now {max_lr:g}) if the loss jumped there at once, else a higher one or more --epochs")
 
 
-def validate(fabric, model, loader, objective, step, show) -> dict:
+def validate(fabric, model, loader, objective, step, show, quiet: bool) -> dict:
     """Evaluates on the validation split, logs the result and ``show``s it."""
-    val = evaluate(fabric, model, loader, objective=objective)
+    val = evaluate(fabric, model, loader, objective=objective, shown_as=None if quiet else "validation")
     fabric.log_dict({f"val/{name}": value for name, value in val.items() if name != "examples"}, step=step)
     show(f"step {step}: " + ", ".join(f"val {k} {v:.4f}" for k, v in val.items() if k != "examples"))
     return val
 
 
 @torch.no_grad()
-def evaluate(fabric, model, loader, objective, predict: bool = False) -> dict:
+def evaluate(fabric, model, loader, objective, predict: bool = False, shown_as: str | None = None) -> dict:
     """Loss and the task's metrics over every row of the split exactly once, summed over all ranks; with
-    ``predict``, also ``"predictions"``: the objective's columns for every row, in the split's row order."""
+    ``predict``, also ``"predictions"``: the objective's columns for every row, in the split's row order. Progress is
+    shown under the name ``shown_as`` (None: not shown)."""
     model.eval()
     mean_loss, rows = MeanMetric().to(fabric.device), SumMetric().to(fabric.device)
     metrics = objective.make_metrics().to(fabric.device)
     remaining = loader.batch_sampler.num_real  # the rest repeat a row so all ranks run the same number of batches
     predicted = []
-    for batch in loader:
+    for batch in counted(fabric, loader, shown_as) if shown_as else loader:
         # every rank runs every forward, repeated rows too: under fsdp, fsdp2 and ZeRO-3 a skipped one hangs the rest
         logits = objective.forward(model, batch)
         if predict:  # of every row, repeated ones too: each rank then holds as many rows, as a gather needs
@@ -412,7 +413,8 @@ def finish(fabric, args, state, loaders, out_dir, spec: TaskSpec, report) -> dic
     model, best = state["model"], out_dir / "checkpoints" / "best" / "state"
     load_weights(fabric, best, model)
     objective = spec.objective
-    test = evaluate(fabric, model, loaders["test"], objective=objective, predict=True)
+    test = evaluate(fabric, model, loaders["test"], objective=objective, predict=True,
+                    shown_as=None if args.quiet else "test")
     predictions = test.pop("predictions")
     # what training and testing held on each rank, before the export gathers the whole model on rank 0's host
     peaks = peak_memory_per_rank(fabric)

@@ -12,6 +12,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 run() { if [ "${DRY_RUN:-0}" = 1 ]; then echo "$*"; else "$@"; fi; }
+# what it is doing, on stderr (stdout keeps the commands DRY_RUN prints): pip runs --quiet for minutes at a time
+say() { echo "setup: $*" >&2; }
 
 torch_build() {
   case "${TORCH_BUILD:-auto}" in
@@ -53,6 +55,7 @@ python=${PYTHON:-python3}
 if [ ! -e .venv/bin/python ]; then
   venv=(-m venv .venv)
   if torch_of "$python" >/dev/null; then venv=(-m venv --system-site-packages .venv); fi
+  say "creating .venv with $python"
   run "$python" "${venv[@]}"
 fi
 pip=(.venv/bin/python -m pip install --quiet)
@@ -65,6 +68,7 @@ elif [ "$status" = 3 ]; then
   exit 2
 else
   torch_pin=$(grep -E '^torch==' requirements-torch.txt)
+  say "installing $torch_pin, the $build build${wheelhouse:+ from $wheelhouse} (a minute or more: a large wheel)"
   if [ -n "$wheelhouse" ] || [ "$build" = cuda ]; then
     run "${pip[@]}" "$torch_pin"
   else
@@ -72,6 +76,10 @@ else
     run "${pip[@]}" --retries 1 --no-deps --extra-index-url https://download.pytorch.org/whl/cpu "$torch_pin"
   fi
 fi
+say "installing requirements-dev.txt: Lightning, transformers, datasets, DeepSpeed, peft and the rest, and pytest"
 run "${pip[@]}" -r requirements-dev.txt
-for extra in "$@"; do run "${pip[@]}" -r "$extra"; done
+for extra in "$@"; do
+  say "installing $extra"
+  run "${pip[@]}" -r "$extra"
+done
 run .venv/bin/python -c "import torch; print('torch', torch.__version__, 'cuda' if torch.cuda.is_available() else 'cpu')"

@@ -79,7 +79,8 @@ def accuracy(predictions: list[dict]) -> float:
 # the line a run stuck at chance gets (a slice this small may not learn)
 OUTPUT_LINE = re.compile(r"(data|training|launch|run) {2,}\S.*|step \d+/\d+ \(epoch \d+/\d+\): loss .*, "
                          r"[\d.]+ rows/s, \d+:\d\d:\d\d left|step \d+: val loss .*|test acc .* results in .*|"
-                         r"the training loss stayed at chance level .*")
+                         r"the training loss stayed at chance level .*|"
+                         r"(validation|test): \d+/\d+ batches, \d+:\d\d:\d\d left")
 
 
 @pytest.mark.parametrize("launch", ["python", "fabric run"])
