@@ -29,14 +29,18 @@ if __name__ == "__main__":
     # --help and a bad flag answer here, before the libraries imported below load (seconds)
     exit_on_user_error(parse_args)()
 
+import dataclasses
 import functools
 import json
 import math
 import os
+import shutil
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from torch.utils.data import Subset
 from torchmetrics import MeanMetric, SumMetric
 
 from fabric_utils.batch_size import find_batch_size
@@ -51,8 +55,8 @@ from fabric_utils.optim import build_optimizer, build_scheduler, count_parameter
 from fabric_utils.preemption import STATUS_FILE, Preemption
 from fabric_utils.pretrained import build_model, load_pretrained
 from fabric_utils.progress import Progress, counted, say, shows_bars, silence_libraries
-from fabric_utils.run_folder import (environment_report, locked_run_folder, prepare_out_dir, remove_if_unused,
-                                     save_config, write_predictions)
+from fabric_utils.run_folder import (RUN_DIR_ENV, environment_report, locked_run_folder, prepare_out_dir,
+                                     remove_if_unused, save_config, write_predictions)
 from fabric_utils.sharding import declare_blocks, recompute_blocks, setup_model_and_optimizer
 from fabric_utils.task_spec import TaskSpec
 from fabric_utils.speed import (Throughput, default_num_workers, peak_memory_per_rank, processes_sharing,
@@ -65,6 +69,8 @@ def setup(argv=None) -> dict:
     args = parse_args(argv)
     if not args.verbose:
         silence_libraries()
+    if args.fast_dev_run:
+        args = fast_dev_run_flags(args)
     out_dir, created = prepare_out_dir(args.out_dir, resume=args.resume)
     try:
         loggers = make_loggers(args.logger, out_dir, project=args.tracker_project, resume=bool(args.resume))
@@ -78,6 +84,27 @@ def setup(argv=None) -> dict:
     finally:
         if created:  # a start that failed before writing anything leaves no folder behind
             remove_if_unused(out_dir)
+        if args.fast_dev_run:
+            shutil.rmtree(out_dir, ignore_errors=True)
+            say(f"--fast-dev-run: removed its folder {out_dir}")
+
+
+def fast_dev_run_flags(args):
+    """--fast-dev-run's flags: N optimizer steps, CSV logs only (trackers write elsewhere), in a temporary run folder
+    (the same for every process this one starts) that setup() removes."""
+    for flag in ("out_dir", "resume"):
+        if getattr(args, flag):
+            raise UserError(f"--fast-dev-run runs in a temporary folder it removes: drop --{flag.replace('_', '-')}")
+    os.environ.setdefault(RUN_DIR_ENV, tempfile.mkdtemp(prefix="fabric-template-check-"))
+    return with_values(args, {"max_steps": args.fast_dev_run, "logger": "csv", "save_every": None, "val_every": None})
+
+
+def first_rows(spec: TaskSpec, rows: dict[str, int]) -> TaskSpec:
+    """``spec`` with each split cut to its first ``rows[split]`` rows (--fast-dev-run): whatever the task."""
+    datasets = {name: Subset(split, range(min(len(split), rows[name]))) for name, split in spec.datasets.items()}
+    sizes = spec.sizes and {name: [spec.sizes[name][i] for i in range(len(datasets[name]))] for name in spec.sizes}
+    # a run of a few steps is at chance by design: no line saying it did not learn
+    return dataclasses.replace(spec, datasets=datasets, sizes=sizes, chance_loss=None)
 
 
 def main(fabric, args, out_dir: Path) -> dict:
@@ -110,6 +137,11 @@ def main(fabric, args, out_dir: Path) -> dict:
         say(f"--batch-size {args.batch_size} is more than the {per_device:,} training rows per device: using "
             f"{per_device}")
         args = with_values(args, {"batch_size": per_device})
+    if args.fast_dev_run:  # N batches of each split on every process
+        batches = args.fast_dev_run * fabric.world_size
+        eval_rows = batches * (args.eval_batch_size or 2 * args.batch_size)
+        spec = first_rows(spec, {"train": batches * args.batch_size * args.grad_accum, "validation": eval_rows,
+                                 "test": eval_rows})
     if resume_from:  # a requeued job may come back on fewer devices: it continues with the same optimizer steps
         args = with_values(args, {"grad_accum": keep_rows_per_step(fabric, args, read_record(resume_from))})
     loaders = make_loaders(fabric, args, spec)
@@ -120,16 +152,16 @@ def main(fabric, args, out_dir: Path) -> dict:
     warn_if_updates_vanish(fabric.strategy.precision, lr=args.lr)
     scheduler = build_scheduler(torch_optimizer, args.scheduler, lr=args.lr, max_steps=max_steps, warmup=args.warmup,
                                 min_lr_rate=args.min_lr_rate)
-    best = best_rule(spec.objective, args.best_metric)
+    rule = best_rule(spec.objective, args.best_metric)
     state = restore(fabric, args, spec, model, optimizer, scheduler, max_steps, checkpoint=resume_from)
     # only now: bad data, model or checkpoint leave the folder as it was; each resumed segment keeps its own flags
     save_config(fabric, args, out_dir, resumed_at=state["step"] if resume_from else None, environment=env)
     save_tracker_ids(fabric, out_dir)  # starts the tracked runs (MLflow, W&B) and keeps their ids for a resume
     if not args.quiet:
-        say(header(fabric, args, spec, max_steps, steps_per_epoch, out_dir, threads, best))
+        say(header(fabric, args, spec, max_steps, steps_per_epoch, out_dir, threads, rule))
 
     if fit(fabric, args, state, loaders=loaders, preemption=preemption, ckpt_dir=out_dir / "checkpoints",
-           max_steps=max_steps, steps_per_epoch=steps_per_epoch, flops_of=flops_of, spec=spec, best=best):
+           max_steps=max_steps, steps_per_epoch=steps_per_epoch, flops_of=flops_of, spec=spec, rule=rule):
         finalize_loggers(fabric.loggers, status="preempted")  # this segment's metrics stay on disk
         say(f"preempted: saved a checkpoint at step {state['step']}; rerun with --resume auto")
         preemption.exit(fabric, loaders, out_dir, step=state["step"],  # status EXIT_PREEMPTED (75)
@@ -219,7 +251,7 @@ def improves(val: dict, best: dict, metric: str, is_better) -> bool:
 
 
 def header(fabric, args, spec: TaskSpec, max_steps: int, steps_per_epoch: int, out_dir: Path, threads: str,
-           best: tuple) -> str:
+           rule: tuple) -> str:
     """What the run is about to do, in four lines."""
     splits = ", ".join(f"{len(rows):,} {name}" for name, rows in spec.datasets.items())
     devices, nodes = fabric.world_size, getattr(fabric.strategy, "num_nodes", 1)
@@ -233,7 +265,7 @@ def header(fabric, args, spec: TaskSpec, max_steps: int, steps_per_epoch: int, o
         + (f" on {nodes} nodes" if nodes > 1 else "")
         + f", {type(fabric.strategy).__name__}, precision {fabric.strategy.precision.precision}, {threads} per process",
         f"run       {out_dir} (environment.json there: versions and hardware), checkpoints/best by validation "
-        f"{best[0]} ({best[1]})"])
+        f"{rule[0]} ({rule[1]})"])
 
 
 def keep_rows_per_step(fabric, args, record: dict) -> int:
@@ -268,8 +300,8 @@ def training_loss(objective, model, batch: dict) -> torch.Tensor:
 
 
 def fit(fabric, args, state, loaders, preemption, ckpt_dir, max_steps, steps_per_epoch, flops_of,
-        spec: TaskSpec, best: tuple) -> bool:
-    """Trains until ``max_steps``, early stopping or preemption (``best``: the rule that keeps checkpoints/best);
+        spec: TaskSpec, rule: tuple) -> bool:
+    """Trains until ``max_steps``, early stopping or preemption (``rule``: best_rule's, which keeps checkpoints/best);
     returns whether it was preempted."""
     model, optimizer, scheduler, train_loader = state["model"], state["optimizer"], state["scheduler"], loaders["train"]
     objective = spec.objective
@@ -316,7 +348,7 @@ def fit(fabric, args, state, loaders, preemption, ckpt_dir, max_steps, steps_per
                     val = validate(fabric, model, loaders["validation"], objective=objective, step=step,
                                    show=progress.note, quiet=args.quiet)
                     warn_if_stuck(progress, val["loss"], step, max_lr=args.lr)
-                    if improves(val, state["best_val"], metric=best[0], is_better=best[2]):
+                    if improves(val, state["best_val"], metric=rule[0], is_better=rule[2]):
                         state["best_val"], stale = val, 0  # the best model so far is kept as checkpoints/best
                         best = {"model": model, "fingerprint": state["fingerprint"], "step": step}
                         save_checkpoint(fabric, ckpt_dir, "best", best)

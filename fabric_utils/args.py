@@ -191,6 +191,9 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     g.add_argument("--tracker-project", default="fabric-template", help="MLflow experiment and W&B project name "
                    "(the run is named after the run folder)")
     g.add_argument("--log-every", type=positive_int, default=10, help="log metrics every N optimizer steps")
+    g.add_argument("--fast-dev-run", type=positive_int, nargs="?", const=2, metavar="N", help="a check of the whole "
+                   "run in seconds (as Lightning's fast_dev_run): N training steps (2 if no N), N validation and test "
+                   "batches, the export, in a temporary folder removed at the end; CSV logging only")
     g.add_argument("--quiet", action="store_true", help="no header, progress or validation lines (notices, the "
                    "result and errors still print)")
     g.add_argument("--verbose", action="store_true", help="also print the environment report and what the libraries "
