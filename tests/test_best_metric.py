@@ -1,7 +1,11 @@
 """--best-metric: which validation metric picks checkpoints/best, in which direction, ties to the lower loss."""
 
+import json
+import sys
+
 import pytest
 
+from conftest import logged, run
 from fabric_utils.errors import UserError
 from task import ClassifierObjective
 from train import best_rule, improves
@@ -47,3 +51,16 @@ def test_a_tie_goes_to_the_lower_validation_loss():
     assert improves({"acc": 0.5, "loss": 9.0}, {}, "acc", is_better)  # the first validation
     loss_rule = best_rule(SINGLE, "loss")[2]
     assert improves({"acc": 0.5, "loss": 0.3}, best, "loss", loss_rule)
+
+
+def test_a_run_keeps_the_checkpoint_of_the_metric_asked_for(tmp_path):
+    """--best-metric loss over several validations: the tested model is the one of the lowest validation loss, and
+    the header says so."""
+    out = tmp_path / "run"
+    done = run([sys.executable, "train.py", "--demo", "--accelerator", "cpu", "--precision", "32-true",
+                "--train-size", "200", "--val-size", "32", "--test-size", "32", "--max-steps", "6", "--val-every", "2",
+                "--best-metric", "loss", "--out-dir", str(out)])
+    assert "checkpoints/best by validation loss (min)" in done.stdout
+    results = json.loads((out / "results.json").read_text())
+    losses = logged(out, "val/loss")
+    assert sorted(losses) == [2, 4, 6] and results["val_loss"] == pytest.approx(min(losses.values()))
