@@ -19,8 +19,10 @@ from __future__ import annotations  # types are only named, never needed before 
 import argparse
 import contextlib
 import copy
+import functools
 import math
 import warnings
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,6 +70,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                    help="auto: from the train split's labels: lists (or strings with --label-separator) are "
                         "multi_label, numbers with fractions regression, integers and strings single_label")
     g.add_argument("--label-separator", help="multi_label: split each string label on this, e.g. ',' or '|'")
+    g.add_argument("--class-weights", choices=("none", "balanced"), default="none", help="single_label: balanced "
+                   "weighs each class's loss by rows / (classes x its training rows), so rare classes count as much")
     g.add_argument("--drop-invalid", action="store_true",
                    help="leave out rows with empty text, a missing or mistyped label, or a label the train split "
                         "lacks (counted per split) instead of stopping with an error")
@@ -123,7 +127,8 @@ def setup(args: argparse.Namespace, verbose: bool) -> TaskSpec:
                      drop_invalid=args.drop_invalid, text_pair_column=args.text_pair_column)
     # config.yaml and results.json record what the run trained: the demo's data and model, the draw, what auto chose
     chosen = {"dataset": dataset, "model": model, "data_seed": data_seed, "problem_type": data.problem_type}
-    objective = ClassifierObjective(data.problem_type, num_labels=len(data.label_names), label_names=data.label_names)
+    objective = ClassifierObjective(data.problem_type, num_labels=len(data.label_names), label_names=data.label_names,
+                                    class_weights=class_weights(args.class_weights, data))
     from data.tokenize import make_collator
 
     def build(weights: bool = True) -> torch.nn.Module:
@@ -144,7 +149,8 @@ def setup(args: argparse.Namespace, verbose: bool) -> TaskSpec:
         # the demo's model is a cache in each node's own HOME: its folder differs from node to node
         meta={"model": "--demo" if args.demo else data.model_source, "labels": data.label_names,
               "problem_type": data.problem_type, "--dataset": "--demo" if args.demo else dataset,
-              "--max-length": args.max_length, "--train-size": args.train_size, "--data-seed": data_seed},
+              "--max-length": args.max_length, "--train-size": args.train_size, "--data-seed": data_seed,
+              **({"--class-weights": args.class_weights} if args.class_weights != "none" else {})},
         sizes={name: split["length"] for name, split in data.splits.items()}, row_sizes=row_lengths,
         max_size=args.max_length, notes=data.notes, prediction_table=objective.table,
         chance_loss={name: objective.chance_loss(data.splits[name]["labels"], fitted_on=data.splits["train"]["labels"])
@@ -152,6 +158,29 @@ def setup(args: argparse.Namespace, verbose: bool) -> TaskSpec:
         default_lr=lambda steps: learning_rate_for(load_model_config(data.model_source), steps, lora=bool(args.lora_r),
                                                    demo=args.demo),
         chosen=chosen)
+
+
+def class_weights(choice: str, data: TaskData) -> tuple[float, ...] | None:
+    """--class-weights balanced: each class's weight, rows / (classes x the class's training rows), as scikit-learn's
+    "balanced" (a class the train split lacks is refused when the data is read); None for none."""
+    if choice == "none":
+        return None
+    if data.problem_type != "single_label":
+        raise UserError(f"--class-weights {choice} is for single_label tasks; this one is {data.problem_type}")
+    counts = Counter(data.splits["train"]["labels"])
+    rows, classes = sum(counts.values()), len(data.label_names)
+    weights = tuple(rows / (classes * counts[label]) for label in range(classes))
+    data.notes.append("--class-weights balanced: " + ", ".join(f"{name} {weight:.3g}"
+                                                               for name, weight in zip(data.label_names, weights)))
+    return weights
+
+
+@functools.cache
+def weights_on(weights: tuple[float, ...], device) -> torch.Tensor:
+    """The class weights as a tensor on ``device``, made once: not a host-to-device copy every step."""
+    import torch
+
+    return torch.tensor(weights, device=device)
 
 
 def quiet_libraries(bars: bool, logs: bool) -> None:
@@ -334,6 +363,7 @@ class ClassifierObjective:
     problem_type: str
     num_labels: int
     label_names: list[str] | None = None  # in id order: the predictions files name each label beside its id
+    class_weights: tuple[float, ...] | None = None  # single_label: each class's weight in the loss (--class-weights)
 
     def forward(self, model, batch: dict) -> torch.Tensor:
         """Logits: (rows, labels), or (rows,) for a one-output regression head."""
@@ -356,7 +386,8 @@ class ClassifierObjective:
 
         logits, labels = logits.float(), batch["labels"]
         if self.problem_type == "single_label":
-            return F.cross_entropy(logits, labels, reduction=reduction)
+            weight = None if self.class_weights is None else weights_on(self.class_weights, logits.device)
+            return F.cross_entropy(logits, labels, weight=weight, reduction=reduction)
         per_value = (F.binary_cross_entropy_with_logits if self.problem_type == "multi_label" else F.mse_loss)(
             logits, labels.float(), reduction="none")
         per_row = per_value.mean(dim=-1) if per_value.ndim > 1 else per_value
@@ -389,9 +420,10 @@ class ClassifierObjective:
         labels, fitted_on = torch.as_tensor(labels).double(), torch.as_tensor(fitted_on).double()
         if self.problem_type == "regression":
             return (labels - fitted_on.mean(dim=0)).square().mean().item()
-        if self.problem_type == "single_label":
+        if self.problem_type == "single_label":  # with class weights w, the best output is the shares times w
             p, q = (torch.bincount(y.long(), minlength=self.num_labels) / len(y) for y in (fitted_on, labels))
-            return -(q * p.log()).nan_to_num().sum().item()  # nan_to_num: 0 log 0 is 0
+            w = torch.tensor(self.class_weights or [1.0] * self.num_labels, dtype=torch.double)
+            return -(q * w * (p * w / (p * w).sum()).log()).nan_to_num().sum().item()  # nan_to_num: 0 log 0 is 0
         p, q = fitted_on.mean(dim=0), labels.mean(dim=0)  # each label's share of the rows
         return -(q * p.log() + (1 - q) * (1 - p).log()).nan_to_num().mean().item()
 
