@@ -2,8 +2,9 @@
 
     .venv/bin/python predict.py RUN_FOLDER FILE                  # writes RUN_FOLDER/predictions.csv
 
-The columns are those of the run's test_predictions.csv but the label (the row's index in FILE, the prediction, its
-score): FILE needs no labels. The task (``task.predict``) says how its exported model reads a file.
+The columns are those of the run's test_predictions.csv but the label (the row's index in FILE, the prediction and
+its name, its score and each class's): FILE needs no labels; ``--text-column`` names its text column if the run's is
+not there. The task (``task.predict``) says how its exported model reads a file.
 """
 
 from pathlib import Path
@@ -22,6 +23,9 @@ def main(argv=None) -> Path:
     parser.add_argument("file", type=Path, help="the rows to predict, in a format --dataset reads")
     parser.add_argument("--out", type=Path, help="the CSV to write (default: RUN_FOLDER/predictions.csv)")
     parser.add_argument("--batch-size", type=positive_int, default=32, help="rows per forward pass")
+    parser.add_argument("--text-column", help="FILE's text column (default: the run's --text-column)")
+    parser.add_argument("--text-pair-column", help="FILE's second text column, for a run on pairs (default: the "
+                        "run's --text-pair-column)")
     args = parser.parse_args(argv)
     if not hasattr(task, "predict"):
         raise UserError("this task.py has no predict(): the run's test_predictions.csv holds its test split's")
@@ -39,6 +43,7 @@ def main(argv=None) -> Path:
                         f"train.py wrote") from err
     if not isinstance(flags, dict):
         raise UserError(f"{args.run / 'config.yaml'} holds no flags: pass the folder of a run train.py wrote")
+    flags.update({name: value for name in ("text_column", "text_pair_column") if (value := getattr(args, name))})
     columns = task.predict(args.run / "model", args.file, flags, batch_size=args.batch_size)
 
     from fabric_utils.run_folder import write_predictions  # here: the libraries load only for a valid command

@@ -138,8 +138,9 @@ def save_config(fabric, args, out_dir: Path, environment: dict, resumed_at: int 
 
 
 def write_predictions(path: Path, columns: dict) -> None:
-    """``columns`` (name -> a tensor, a row each) as CSV; a vector (a value per label) as one space-separated cell."""
-    cells = [column.tolist() for column in columns.values()]
+    """``columns`` (name -> a tensor or a list, a row each) as CSV; a vector (a value per label) as one
+    space-separated cell."""
+    cells = [column.tolist() if isinstance(column, torch.Tensor) else column for column in columns.values()]
     with open(path, "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(columns)

@@ -79,3 +79,5 @@ class TaskSpec:
     # loaders); None: --lr has a default in the task's flags
     default_lr: Callable[[int], float] | None = None
     chosen: dict = field(default_factory=dict)  # flag -> value the task chose (what auto detected)
+    # every test row's objective.predict columns -> test_predictions.csv's (label names beside ids); None: as they are
+    prediction_table: Callable[[dict], dict] | None = None

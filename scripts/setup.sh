@@ -13,6 +13,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 run() { if [ "${DRY_RUN:-0}" = 1 ]; then echo "$*"; else "$@"; fi; }
+# what it is doing, on stderr (stdout keeps the commands DRY_RUN prints): pip runs --quiet for minutes at a time
+say() { echo "setup: $*" >&2; }
 
 torch_build() {
   case "${TORCH_BUILD:-auto}" in
@@ -92,6 +94,7 @@ python=${PYTHON:-python3}
 if [ ! -e .venv/bin/python ]; then
   venv=(-m venv .venv)
   if torch_of "$python" >/dev/null; then venv=(-m venv --system-site-packages .venv); fi
+  say "creating .venv with $python"
   run "$python" "${venv[@]}"
 fi
 pip=(.venv/bin/python -m pip install --quiet)
@@ -106,6 +109,7 @@ elif [ "$status" = 3 ]; then
   exit 2
 else
   torch_pin=$(grep -E '^torch==' requirements-torch.txt)
+  say "installing $torch_pin, the $build build${wheelhouse:+ from $wheelhouse} (a minute or more: a large wheel)"
   if [ -n "$wheelhouse" ]; then
     requirements=("$torch_pin" "${requirements[@]}")
   elif [ "$build" = cuda ]; then
@@ -116,12 +120,21 @@ else
   fi
 fi
 if [ -n "$wheelhouse" ]; then  # what pip resolves from the wheelhouse, then exactly that, each wheel's hash checked
+  say "installing what requirements-dev.txt${*:+ and $*} need from $wheelhouse, each wheel checked against its SHA-256"
   pinned=$(mktemp)
   run "${pip[@]}" --dry-run --report "$pinned.json" "${requirements[@]}"
   run pin_wheels "$pinned.json" "$wheelhouse" "$pinned"
   if [ "${DRY_RUN:-0}" = 1 ] || [ -s "$pinned" ]; then run "${pip[@]}" --require-hashes --no-deps -r "$pinned"; fi
   rm -f "$pinned" "$pinned.json"
 else
-  for requirement in "${requirements[@]}"; do [ "$requirement" = -r ] || run "${pip[@]}" -r "$requirement"; done
+  for requirement in "${requirements[@]}"; do
+    [ "$requirement" = -r ] && continue
+    if [ "$requirement" = requirements-dev.txt ]; then
+      say "installing requirements-dev.txt: Lightning, transformers, datasets, DeepSpeed, peft and the rest, and pytest"
+    else
+      say "installing $requirement"
+    fi
+    run "${pip[@]}" -r "$requirement"
+  done
 fi
 run .venv/bin/python -c "import torch; print('torch', torch.__version__, 'cuda' if torch.cuda.is_available() else 'cpu')"

@@ -172,6 +172,8 @@ def build_cases(tmp: Path) -> tuple[list, dict]:
         ("unknown_accelerator", [*data, "--accelerator", "quantum"], 2, "argument --accelerator: invalid choice",
          False),
         ("16_mixed_on_cpu", [*data, "--precision", "16-mixed"], 2, "16-mixed", False),
+        # Lightning's advice to write 16 as 16-mixed, which fails the same way, must not come first
+        ("precision_16_on_cpu", [*data, "--precision", "16"], 2, "error: --precision 16 needs a CUDA GPU", False),
         ("batch_size_zero", [*data, "--batch-size", "0"], 2, "argument --batch-size: must be a positive integer",
          False),
         ("batch_size_negative", [*data, "--batch-size", "-4"], 2, "argument --batch-size", False),
@@ -235,6 +237,8 @@ def build_cases(tmp: Path) -> tuple[list, dict]:
          "--test-size 50: the test split has 8 rows; pass 8 or less", False),
         ("deepspeed_on_cpu", [*data, "--devices", "2", "--strategy", "deepspeed_stage_2"], 2,
          "--strategy deepspeed_stage_2 needs CUDA GPUs (DeepSpeed); on a CPU use --strategy ddp, fsdp2 or auto", False),
+        # not a mistake that stops the run: said in one line, and the run goes on with what a batch can hold
+        ("batch_size_beyond_the_split", [*data, "--batch-size", "100", "--max-steps", "1"], 0, None, False),
     ]
     built = []
     for case_id, args, rc, message, real in cases:
@@ -281,13 +285,14 @@ CASE_IDS = ["unknown_strategy", "unknown_precision", "unknown_accelerator", "16_
             "checkpoint_other_labels", "checkpoint_other_model", "out_dir_under_a_file", "config_value_checked",
             "config_not_yaml", "devices_beyond_the_cores", "out_dir_holds_a_run", "val_size_beyond_what_is_carved",
             "test_size_beyond_the_split", "deepspeed_on_cpu", "out_dir_holds_user_files", "resume_into_user_files",
-            "diverges_before_its_first_checkpoint"]
+            "diverges_before_its_first_checkpoint",
+            "precision_16_on_cpu"]
 
 
 def test_the_good_run_works(outcomes):
     """Sanity check of the harness and of the checkpoint the label-set and model cases resume."""
     cases, results, _, facts = outcomes
-    assert set(cases) == {"good_run", *CASE_IDS}  # a case built but not listed would never be checked
+    assert set(cases) == {"good_run", "batch_size_beyond_the_split", *CASE_IDS}  # each built case is checked
     result = results["good_run"]
     assert result["rc"] == 0, result["stderr"][-5000:]
     assert (facts["good_ckpt"] / "state").is_file()
@@ -316,6 +321,30 @@ def test_bad_input_fails_with_one_error_line_and_touches_nothing(outcomes, case_
         assert not out_dir.exists(), sorted(out_dir.rglob("*"))
     if case_id.startswith("checkpoint_"):
         assert (facts["good_ckpt"] / "state").is_file()
+
+
+def test_a_batch_size_beyond_the_training_rows_is_said_and_what_is_used_recorded(outcomes):
+    cases, results, _, _ = outcomes
+    result = results["batch_size_beyond_the_split"]
+    assert result["rc"] == 0 and not result["stderr"], result["stderr"][-3000:]
+    assert "--batch-size 100 is more than the 40 training rows per device: using 40" in result["stdout"].splitlines()
+    args = cases["batch_size_beyond_the_split"]["args"]
+    run_dir = Path(args[args.index("--out-dir") + 1])
+    assert json.loads((run_dir / "results.json").read_text())["config"]["batch_size"] == 40
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--text-colum", "review"], "unknown flag --text-colum (did you mean --text-column?)"),  # not a prefix match
+    (["--lable-column=stars", "--epoch", "2"], "unknown flags --lable-column (did you mean --label-column?), --epoch "
+                                               "(did you mean --epochs?)"),
+    (["--zzz"], "unknown flag --zzz"),
+], ids=["prefix", "misspelt", "nothing_close"])
+def test_an_unknown_flag_is_one_line_naming_the_closest(tmp_path, flags, message):
+    out = tmp_path / "run"
+    done = subprocess.run([sys.executable, "train.py", "--demo", *flags, "--out-dir", str(out)], cwd=ROOT,
+                          env=subprocess_env(), capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and not done.stdout and not out.exists()
+    assert done.stderr == f"error: {message}; --help lists every flag\n"
 
 
 @pytest.mark.parametrize("flags", [["--help"], ["--warmup", "-0.5"]], ids=["help", "bad_value"])

@@ -136,6 +136,17 @@ def test_setup_picks_the_torch_build_where_there_is_none(tmp_path, torch_build, 
     assert commands[-2].endswith("-r requirements-bench.txt")  # the extras still follow
 
 
+def test_setup_says_what_it_installs_as_it_goes(tmp_path):
+    result = dry_setup(scripts_only(tmp_path), "requirements-bench.txt", TORCH_BUILD="cpu")
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.splitlines() == [
+        "setup: creating .venv with python3",
+        f"setup: installing torch=={TORCH_PIN}, the cpu build (a minute or more: a large wheel)",
+        "setup: installing requirements-dev.txt: Lightning, transformers, datasets, DeepSpeed, peft and the rest, and "
+        "pytest",
+        "setup: installing requirements-bench.txt"]
+
+
 def test_setup_refuses_an_unknown_torch_build(tmp_path):
     result = dry_setup(scripts_only(tmp_path), TORCH_BUILD="rocm")
     assert result.returncode == 2 and result.stderr.strip() == "TORCH_BUILD must be cuda, cpu or auto, not 'rocm'"

@@ -71,7 +71,7 @@ def runs(tmp_path_factory):
             "termed_rc": termed.wait(), "termed_output": termed.output(), "termed_steps": step_dirs(root / "termed")}
 
     plant_damaged_checkpoints(root / "killed" / "checkpoints")
-    jobs["killed_resume"] = Job(root / "killed", *TINY, "--resume", "auto")
+    jobs["killed_resume"] = Job(root / "killed", "--resume", "auto")  # the rest from the folder's config.yaml
     jobs["termed_resume"] = Job(root / "termed", *TINY, "--resume", "auto")
     yield jobs, info
     kill_all(jobs)
@@ -90,6 +90,21 @@ def test_sigkill_mid_epoch_then_resume_auto_matches_uninterrupted(runs):
         assert resumed[key] == pytest.approx(full[key], abs=1e-4), key
     # the whole run's logged losses, which the stuck-at-chance check reads at the end, not only the resumed part
     assert logged_losses(jobs["killed_resume"]) == pytest.approx(logged_losses(jobs["full"]), abs=1e-4)
+
+
+def test_a_resume_from_the_folder_refuses_a_flag_that_changes_the_run(runs):
+    """The resume above was given only --out-dir and --resume auto; a flag given now that the run did not have is
+    refused in one line naming it, and the finished run is left as it was."""
+    jobs, _ = runs
+    jobs["killed_resume"].results()
+    out_dir = jobs["killed_resume"].out_dir
+    before = (out_dir / "results.json").read_bytes()
+    done = subprocess.run([sys.executable, "train.py", "--out-dir", str(out_dir), "--resume", "auto", "--lr", "0.5"],
+                          cwd=Path(__file__).resolve().parents[1], env=subprocess_env(), capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 2 and len(done.stderr.splitlines()) == 1, done.stderr[-3000:]
+    assert "was written with --lr 0.004 (now 0.5)" in done.stderr
+    assert (out_dir / "results.json").read_bytes() == before
 
 
 def logged_losses(job: Job) -> list[float]:
