@@ -101,7 +101,7 @@ def fast_dev_run_flags(args):
     return with_values(args, {"max_steps": args.fast_dev_run, "logger": "csv", "save_every": None, "val_every": None})
 
 
-def first_rows(spec: TaskSpec, rows: dict[str, int]) -> TaskSpec:
+def cut_splits(spec: TaskSpec, rows: dict[str, int]) -> TaskSpec:
     """``spec`` with each split cut to its first ``rows[split]`` rows (--fast-dev-run): whatever the task."""
     datasets = {name: Subset(split, range(min(len(split), rows[name]))) for name, split in spec.datasets.items()}
     sizes = spec.sizes and {name: [spec.sizes[name][i] for i in range(len(datasets[name]))] for name in spec.sizes}
@@ -142,7 +142,7 @@ def main(fabric, args, out_dir: Path) -> dict:
     if args.fast_dev_run:  # N batches of each split on every process
         batches = args.fast_dev_run * fabric.world_size
         eval_rows = batches * (args.eval_batch_size or 2 * args.batch_size)
-        spec = first_rows(spec, {"train": batches * args.batch_size * args.grad_accum, "validation": eval_rows,
+        spec = cut_splits(spec, {"train": batches * args.batch_size * args.grad_accum, "validation": eval_rows,
                                  "test": eval_rows})
     if resume_from:  # a requeued job may come back on fewer devices: it continues with the same optimizer steps
         args = with_values(args, {"grad_accum": keep_rows_per_step(fabric, args, read_record(resume_from))})
