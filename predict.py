@@ -2,8 +2,9 @@
 
     .venv/bin/python predict.py RUN_FOLDER FILE                  # writes RUN_FOLDER/predictions.csv
 
-The columns are those of the run's test_predictions.csv but the label (the row's index in FILE, the prediction, its
-score): FILE needs no labels. The task (``task.predict``) says how its exported model reads a file.
+The columns are those of the run's test_predictions.csv but the label (the row's index in FILE, the prediction and
+its name, its score and each class's): FILE needs no labels; ``--text-column`` names its text column if the run's is
+not there. The task (``task.predict``) says how its exported model reads a file.
 """
 
 from pathlib import Path
@@ -12,7 +13,7 @@ import yaml
 
 import task
 from fabric_utils.args import Parser, positive_int
-from fabric_utils.errors import UserError, exit_on_user_error
+from fabric_utils.errors import UserError, exit_on_user_error, first_line
 
 
 @exit_on_user_error
@@ -22,18 +23,31 @@ def main(argv=None) -> Path:
     parser.add_argument("file", type=Path, help="the rows to predict, in a format --dataset reads")
     parser.add_argument("--out", type=Path, help="the CSV to write (default: RUN_FOLDER/predictions.csv)")
     parser.add_argument("--batch-size", type=positive_int, default=32, help="rows per forward pass")
+    parser.add_argument("--text-column", help="FILE's text column (default: the run's --text-column)")
+    parser.add_argument("--text-pair-column", help="FILE's second text column, for a run on pairs (default: the "
+                        "run's --text-pair-column)")
     args = parser.parse_args(argv)
     if not hasattr(task, "predict"):
         raise UserError("this task.py has no predict(): the run's test_predictions.csv holds its test split's")
     for needed in (args.run / "model", args.run / "config.yaml"):
         if not needed.exists():
             raise UserError(f"{needed} does not exist: pass the folder of a run that finished (it exports model/)")
-    flags = yaml.safe_load((args.run / "config.yaml").read_text())  # the run's first segment: how it read its data
+    out = args.out or args.run / "predictions.csv"
+    if not out.parent.is_dir() or out.is_dir():  # said now, not after the model has run
+        raise UserError(f"--out {out}: {out if out.is_dir() else out.parent} is not a folder a file can be written "
+                        f"into; pass a file path in an existing folder")
+    try:  # the run's first segment: how it read its data
+        flags = yaml.safe_load((args.run / "config.yaml").read_text())
+    except yaml.YAMLError as err:
+        raise UserError(f"{args.run / 'config.yaml'} is not YAML ({first_line(err)}): pass the folder of a run "
+                        f"train.py wrote") from err
+    if not isinstance(flags, dict):
+        raise UserError(f"{args.run / 'config.yaml'} holds no flags: pass the folder of a run train.py wrote")
+    flags.update({name: value for name in ("text_column", "text_pair_column") if (value := getattr(args, name))})
     columns = task.predict(args.run / "model", args.file, flags, batch_size=args.batch_size)
 
     from fabric_utils.run_folder import write_predictions  # here: the libraries load only for a valid command
 
-    out = args.out or args.run / "predictions.csv"
     write_predictions(out, columns)
     print(f"{len(columns['row'])} predictions in {out}")
     return out

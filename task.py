@@ -19,8 +19,10 @@ from __future__ import annotations  # types are only named, never needed before 
 import argparse
 import contextlib
 import copy
+import functools
 import math
 import warnings
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,6 +68,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                    help="auto: from the train split's labels: lists (or strings with --label-separator) are "
                         "multi_label, numbers with fractions regression, integers and strings single_label")
     g.add_argument("--label-separator", help="multi_label: split each string label on this, e.g. ',' or '|'")
+    g.add_argument("--class-weights", choices=("none", "balanced"), default="none", help="single_label: balanced "
+                   "weighs each class's loss by rows / (classes x its training rows), so rare classes count as much")
     g.add_argument("--drop-invalid", action="store_true",
                    help="leave out rows with empty text, a missing or mistyped label, or a label the train split "
                         "lacks (counted per split) instead of stopping with an error")
@@ -79,7 +83,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--pad-to-max-length", action="store_true", help="pad every row to --max-length (slow: "
                    "most rows are shorter)")
     g.add_argument("--pad-to-multiple-of", type=positive_int, default=8,
-                   help="round each batch's padded length up to a multiple of this (tensor-core friendly)")
+                   help="batches are padded to a few lengths (buckets), multiples of this (tensor-core friendly) "
+                        "growing by ~15%% each up to --max-length: few shapes for compiled graphs, little padding")
 
     g = parser.add_argument_group("model", "--lr's default follows the model's width (hidden size) and the run's "
                                   "length: " + "; ".join(f"up to {width}: {peaks(short, long)}"
@@ -121,7 +126,8 @@ def setup(args: argparse.Namespace, verbose: bool) -> TaskSpec:
                      drop_invalid=args.drop_invalid, text_pair_column=args.text_pair_column)
     # config.yaml and results.json record what the run trained: the demo's data and model, the draw, what auto chose
     chosen = {"dataset": dataset, "model": model, "data_seed": data_seed, "problem_type": data.problem_type}
-    objective = ClassifierObjective(data.problem_type, num_labels=len(data.label_names))
+    objective = ClassifierObjective(data.problem_type, num_labels=len(data.label_names), label_names=data.label_names,
+                                    class_weights=class_weights(args.class_weights, data))
     from data.tokenize import make_collator
 
     def build(weights: bool = True) -> torch.nn.Module:
@@ -143,14 +149,38 @@ def setup(args: argparse.Namespace, verbose: bool) -> TaskSpec:
         # the demo's model is a cache in each node's own HOME: its folder differs from node to node
         meta={"model": "--demo" if args.demo else data.model_source, "labels": data.label_names,
               "problem_type": data.problem_type, "--dataset": "--demo" if args.demo else dataset,
-              "--max-length": args.max_length, "--train-size": args.train_size, "--data-seed": data_seed},
+              "--max-length": args.max_length, "--train-size": args.train_size, "--data-seed": data_seed,
+              **({"--class-weights": args.class_weights} if args.class_weights != "none" else {})},
         sizes={name: split["length"] for name, split in data.splits.items()}, row_sizes=row_lengths,
-        max_size=args.max_length, notes=data.notes,
+        max_size=args.max_length, notes=data.notes, prediction_table=objective.table,
         chance_loss={name: objective.chance_loss(data.splits[name]["labels"], fitted_on=data.splits["train"]["labels"])
                      for name in ("train", "validation")},
         default_lr=lambda steps: learning_rate_for(load_model_config(data.model_source), steps, lora=bool(args.lora_r),
                                                    demo=args.demo),
         chosen=chosen)
+
+
+def class_weights(choice: str, data: TaskData) -> tuple[float, ...] | None:
+    """--class-weights balanced: each class's weight, rows / (classes x the class's training rows), as scikit-learn's
+    "balanced" (a class the train split lacks is refused when the data is read); None for none."""
+    if choice == "none":
+        return None
+    if data.problem_type != "single_label":
+        raise UserError(f"--class-weights {choice} is for single_label tasks; this one is {data.problem_type}")
+    counts = Counter(data.splits["train"]["labels"])
+    rows, classes = sum(counts.values()), len(data.label_names)
+    weights = tuple(rows / (classes * counts[label]) for label in range(classes))
+    data.notes.append("--class-weights balanced: " + ", ".join(f"{name} {weight:.3g}"
+                                                               for name, weight in zip(data.label_names, weights)))
+    return weights
+
+
+@functools.cache
+def weights_on(weights: tuple[float, ...], device) -> torch.Tensor:
+    """The class weights as a tensor on ``device``, made once: not a host-to-device copy every step."""
+    import torch
+
+    return torch.tensor(weights, device=device)
 
 
 def quiet_libraries(bars: bool, logs: bool) -> None:
@@ -363,11 +393,16 @@ class ClassifierObjective:
     squared error, RMSE and Pearson correlation). ``best_metric`` picks checkpoints/best."""
     problem_type: str
     num_labels: int
+    label_names: list[str] | None = None  # in id order: the predictions files name each label beside its id
+    class_weights: tuple[float, ...] | None = None  # single_label: each class's weight in the loss (--class-weights)
+
+    def __post_init__(self):
+        apply_given_masks()
 
     def forward(self, model, batch: dict) -> torch.Tensor:
         """Logits: (rows, labels), or (rows,) for a one-output regression head."""
         # only the inputs the batch has: token_type_ids come with sentence pairs for the models that take them
-        # (DistilBERT's forward has no such argument), no attention mask with the unpadded dummy batch
+        # (DistilBERT's forward has no such argument), an attention mask only where the batch has padding
         logits = model(**{name: batch[name] for name in MODEL_INPUTS if name in batch}).logits
         return logits.squeeze(-1) if logits.shape[-1] == 1 else logits
 
@@ -385,7 +420,8 @@ class ClassifierObjective:
 
         logits, labels = logits.float(), batch["labels"]
         if self.problem_type == "single_label":
-            return F.cross_entropy(logits, labels, reduction=reduction)
+            weight = None if self.class_weights is None else weights_on(self.class_weights, logits.device)
+            return F.cross_entropy(logits, labels, weight=weight, reduction=reduction)
         per_value = (F.binary_cross_entropy_with_logits if self.problem_type == "multi_label" else F.mse_loss)(
             logits, labels.float(), reduction="none")
         per_row = per_value.mean(dim=-1) if per_value.ndim > 1 else per_value
@@ -418,9 +454,10 @@ class ClassifierObjective:
         labels, fitted_on = torch.as_tensor(labels).double(), torch.as_tensor(fitted_on).double()
         if self.problem_type == "regression":
             return (labels - fitted_on.mean(dim=0)).square().mean().item()
-        if self.problem_type == "single_label":
+        if self.problem_type == "single_label":  # with class weights w, the best output is the shares times w
             p, q = (torch.bincount(y.long(), minlength=self.num_labels) / len(y) for y in (fitted_on, labels))
-            return -(q * p.log()).nan_to_num().sum().item()  # nan_to_num: 0 log 0 is 0
+            w = torch.tensor(self.class_weights or [1.0] * self.num_labels, dtype=torch.double)
+            return -(q * w * (p * w / (p * w).sum()).log()).nan_to_num().sum().item()  # nan_to_num: 0 log 0 is 0
         p, q = fitted_on.mean(dim=0), labels.mean(dim=0)  # each label's share of the rows
         return -(q * p.log() + (1 - q) * (1 - p).log()).nan_to_num().mean().item()
 
@@ -431,12 +468,33 @@ class ClassifierObjective:
         logits = logits.float()
         label = {"label": batch["labels"]} if "labels" in batch else {}  # new rows to predict have none
         if self.problem_type == "single_label":
-            score, predicted = logits.softmax(dim=-1).max(dim=-1)
-            return {**label, "predicted": predicted, "score": score}
+            probabilities = logits.softmax(dim=-1)
+            score, predicted = probabilities.max(dim=-1)
+            return {**label, "predicted": predicted, "score": score, "probabilities": probabilities}
         if self.problem_type == "multi_label":
             score = logits.sigmoid()
             return {**{k: v.int() for k, v in label.items()}, "predicted": (score > 0.5).int(), "score": score}
         return {**label, "predicted": logits}
+
+    def table(self, columns: dict) -> dict[str, list]:
+        """``predict``'s columns (gathered: every row's) as the predictions files show them: each label's name after
+        its id (multi_label: the names of the labels on, comma-separated) and a probability per class, named."""
+        probabilities = columns.pop("probabilities", None)
+        if self.problem_type == "multi_label":
+            probabilities = columns["score"]
+        table = {}
+        for name, column in columns.items():
+            table[name] = column.tolist()
+            if name in ("label", "predicted") and self.label_names and self.problem_type != "regression":
+                table[f"{name}_name"] = [self.name_of(value) for value in table[name]]
+        if probabilities is not None and self.label_names:
+            table.update({f"score_{name}": probabilities[:, i].tolist() for i, name in enumerate(self.label_names)})
+        return table
+
+    def name_of(self, value) -> str:
+        if self.problem_type == "multi_label":
+            return ",".join(name for name, on in zip(self.label_names, value) if on)
+        return self.label_names[value]
 
     def dummy_batch(self, inputs: dict[str, torch.Tensor], device) -> dict:
         """``inputs`` on ``device`` with labels of the right kind: for FLOP counting and the batch-size finder."""
@@ -464,23 +522,51 @@ def example_inputs(tokenizer, rows: int, length: int) -> dict[str, torch.Tensor]
     return {name: value.expand(rows, -1) for name, value in row.items()}
 
 
+def apply_given_masks() -> None:
+    """Has transformers' SDPA and eager attention apply a given attention mask without first reading it back to see
+    whether it masks anything (a host-device sync in every forward): the collate function leaves a batch a mask only
+    where it has padding. Without a mask, transformers skips it as before (no read), for encoders and decoders."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask, sdpa_mask
+
+    for name, make_mask in (("sdpa", sdpa_mask), ("eager", eager_mask)):
+        ALL_MASK_ATTENTION_FUNCTIONS[name] = functools.partial(_given_mask_applied, make_mask)
+
+
+def _given_mask_applied(make_mask, *args, attention_mask=None, **kwargs):
+    if attention_mask is not None:
+        kwargs.update(allow_is_causal_skip=False, allow_is_bidirectional_skip=False)
+    return make_mask(*args, attention_mask=attention_mask, **kwargs)
+
+
 def row_lengths(batch: dict) -> torch.Tensor:
-    """Tokens per row that are not padding: what throughput (tokens/s) and MFU count."""
-    return batch["attention_mask"].sum(dim=1)
+    """Tokens per row that are not padding, from the batch on the host (no device read): what throughput
+    (tokens/s) and MFU count. A batch without a mask has no padding."""
+    import torch
+
+    if "attention_mask" in batch:
+        return batch["attention_mask"].sum(dim=1)
+    rows, length = batch["input_ids"].shape
+    return torch.full((rows,), length)
 
 
 # ---- predictions on new rows: predict.py --------------------------------------------------------------------------
-def predict(folder: Path, source: Path, flags: dict, batch_size: int) -> dict[str, torch.Tensor]:
+PREDICT_FLAGS = {"text_column", "text_pair_column", "max_length", "pad_to_multiple_of"}  # how the run read its texts
+
+
+def predict(folder: Path, source: Path, flags: dict, batch_size: int) -> dict[str, list]:
     """The exported model's (``folder``) predictions for each row of the file ``source``, whose texts are read as the
-    run that trained the model read its data (``flags``: its config.yaml): ``ClassifierObjective.predict``'s columns
+    run that trained the model read its data (``flags``: its config.yaml): ``ClassifierObjective.table``'s columns
     and each row's index."""
     import datasets
     import torch
+    from tqdm import tqdm
     from transformers import AutoModelForSequenceClassification
 
-    from data.sources import read_rows
+    from data.sources import check_texts, read_rows
     from data.tokenize import make_collator, tokenize_splits
 
+    if lacking := sorted(PREDICT_FLAGS - flags.keys()):
+        raise UserError(f"the run's config.yaml lacks {', '.join(lacking)}: pass the folder of a run train.py wrote")
     quiet_libraries(bars=False, logs=False)
     rows = read_rows(source)
     texts = [column for column in (flags["text_column"], flags["text_pair_column"]) if column]
@@ -488,18 +574,27 @@ def predict(folder: Path, source: Path, flags: dict, batch_size: int) -> dict[st
     if missing:
         raise UserError(f"{source} has no column {missing[0]!r} (its columns: {rows.column_names}); the model was "
                         f"trained on {' and '.join(texts)}")
+    check_texts(rows, source, texts)
     tokenizer = load_tokenizer(str(folder))
-    model = AutoModelForSequenceClassification.from_pretrained(folder).eval()
+    try:  # the folder's own code never runs, and its weights are read from safetensors only (no pickle)
+        model = AutoModelForSequenceClassification.from_pretrained(folder, trust_remote_code=False,
+                                                                   use_safetensors=True).eval()
+    except OSError as err:
+        raise UserError(f"cannot load the exported model in {folder}: {str(err).splitlines()[0]} (predict.py reads "
+                        f"the model.safetensors train.py exports)") from err
     problem_type = {hf: name for name, hf in HF_PROBLEM_TYPES.items()}[model.config.problem_type]
-    objective = ClassifierObjective(problem_type, num_labels=model.config.num_labels)
+    objective = ClassifierObjective(problem_type, num_labels=model.config.num_labels,
+                                    label_names=[model.config.id2label[i] for i in range(model.config.num_labels)])
     inputs = tokenize_splits(datasets.DatasetDict(rows=rows.select_columns(texts)), tokenizer, flags["text_column"],
                              flags["max_length"], flags["text_pair_column"])["rows"].remove_columns("length")
     collate = make_collator(tokenizer, False, flags["max_length"], flags["pad_to_multiple_of"])
     predicted = []
+    batches = torch.utils.data.DataLoader(inputs, batch_size=batch_size, collate_fn=collate)
     with torch.no_grad():
-        for batch in torch.utils.data.DataLoader(inputs, batch_size=batch_size, collate_fn=collate):
+        for batch in tqdm(batches, desc="predicting", unit="batch", disable=None):  # a bar on a terminal only
             predicted.append(objective.predict(objective.forward(model, batch), batch))
-    return {"row": torch.arange(len(rows)), **{name: torch.cat([b[name] for b in predicted]) for name in predicted[0]}}
+    return objective.table({"row": torch.arange(len(rows)),
+                            **{name: torch.cat([b[name] for b in predicted]) for name in predicted[0]}})
 
 
 # ---- export ----------------------------------------------------------------------------------------------------------
@@ -517,5 +612,8 @@ def export(state_dict: dict, trained, tokenizer, out: Path) -> None:
     model.load_state_dict(state_dict, strict=True)
     if lora:
         model = model.merge_and_unload()
+    # the stock classes trained it: a source model's pointers to its own code (auto_map) stay behind
+    model.config.__dict__.pop("auto_map", None)
+    tokenizer.init_kwargs.pop("auto_map", None)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)

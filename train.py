@@ -29,12 +29,20 @@ if __name__ == "__main__":
     # --help and a bad flag answer here, before the libraries imported below load (seconds)
     exit_on_user_error(parse_args)()
 
+import dataclasses
 import functools
+import itertools
 import json
 import math
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from lightning.fabric.strategies import DDPStrategy, SingleDeviceStrategy
+from torch.utils.data import Subset
 from torchmetrics import MeanMetric, SumMetric
 
 from fabric_utils.batch_size import find_batch_size
@@ -43,17 +51,19 @@ from fabric_utils.checkpoint import (agreed_resume_checkpoint, load_checkpoint, 
 from fabric_utils.export import export_model
 from fabric_utils.launcher import (build_fabric, clips_in_loop, explain_lost_peers, launch, offloads_optimizer,
                                    scales_loss, strategy_checkpoints_blocks, warn_if_updates_vanish)
-from fabric_utils.loaders import make_dataloaders
+from fabric_utils.loaders import fill_rows, first_rows, make_dataloaders
 from fabric_utils.loggers import finalize_loggers, make_loggers, plot_metrics, save_tracker_ids
 from fabric_utils.optim import build_optimizer, build_scheduler, count_parameters
 from fabric_utils.preemption import STATUS_FILE, Preemption
 from fabric_utils.pretrained import build_model, load_pretrained
-from fabric_utils.progress import Progress, say, shows_bars, silence_libraries
-from fabric_utils.run_folder import (environment_report, locked_run_folder, prepare_out_dir, remove_if_unused,
-                                     save_config, write_predictions)
+from fabric_utils.progress import Progress, counted, say, shows_bars, silence_libraries
+from fabric_utils.run_folder import (RUN_DIR_ENV, environment_report, locked_run_folder, prepare_out_dir,
+                                     remove_if_unused, save_config, write_predictions)
 from fabric_utils.sharding import declare_blocks, recompute_blocks, setup_model_and_optimizer
 from fabric_utils.task_spec import TaskSpec
-from fabric_utils.speed import Throughput, default_num_workers, peak_memory_per_rank, training_flops_fn, warm_up
+from fabric_utils.speed import (Throughput, batch_kinds, compile_model, default_num_workers, peak_memory_per_rank,
+                                 processes_sharing, training_flops_fn, warm_up)
+from fabric_utils.threads import set_threads
 
 
 @exit_on_user_error
@@ -61,6 +71,8 @@ def setup(argv=None) -> dict:
     args = parse_args(argv)
     if not args.verbose:
         silence_libraries()
+    if args.fast_dev_run:
+        args = fast_dev_run_flags(args)
     out_dir, created = prepare_out_dir(args.out_dir, resume=args.resume)
     try:
         loggers = make_loggers(args.logger, out_dir, project=args.tracker_project, resume=bool(args.resume))
@@ -74,10 +86,33 @@ def setup(argv=None) -> dict:
     finally:
         if created:  # a start that failed before writing anything leaves no folder behind
             remove_if_unused(out_dir)
+        if args.fast_dev_run:
+            shutil.rmtree(out_dir, ignore_errors=True)
+            say(f"--fast-dev-run: removed its folder {out_dir}")
+
+
+def fast_dev_run_flags(args):
+    """--fast-dev-run's flags: N optimizer steps, CSV logs only (trackers write elsewhere), in a temporary run folder
+    (the same for every process this one starts) that setup() removes."""
+    for flag in ("out_dir", "resume"):
+        if getattr(args, flag):
+            raise UserError(f"--fast-dev-run runs in a temporary folder it removes: drop --{flag.replace('_', '-')}")
+    os.environ.setdefault(RUN_DIR_ENV, tempfile.mkdtemp(prefix="fabric-template-check-"))
+    return with_values(args, {"max_steps": args.fast_dev_run, "logger": "csv", "save_every": None, "val_every": None})
+
+
+def cut_splits(spec: TaskSpec, rows: dict[str, int]) -> TaskSpec:
+    """``spec`` with each split cut to its first ``rows[split]`` rows (--fast-dev-run): whatever the task."""
+    datasets = {name: Subset(split, range(min(len(split), rows[name]))) for name, split in spec.datasets.items()}
+    sizes = spec.sizes and {name: [spec.sizes[name][i] for i in range(len(datasets[name]))] for name in spec.sizes}
+    # a run of a few steps is at chance by design: no line saying it did not learn
+    return dataclasses.replace(spec, datasets=datasets, sizes=sizes, chance_loss=None)
 
 
 def main(fabric, args, out_dir: Path) -> dict:
     fabric.seed_everything(args.seed)
+    # before any heavy work: threads beyond the cores, this job's or another's, fight and the run crawls
+    threads = set_threads(args.num_threads, sharing=processes_sharing(fabric, os.sched_getaffinity(0)))
     preemption = Preemption()  # from here on, SIGTERM/SIGUSR1 lead to a checkpoint, not a lost run
     if fabric.device.type == "cuda":  # TF32 matrix products and cuDNN autotuning: free speed on Ampere+ GPUs
         torch.set_float32_matmul_precision("high")
@@ -99,6 +134,16 @@ def main(fabric, args, out_dir: Path) -> dict:
         found = find_batch_size(fabric, model, optimizer, loss_fn=functools.partial(training_loss, spec.objective),
                                 make_batch=lambda rows: spec.example_batch(rows, None, fabric.device))
         args = with_values(args, {"batch_size": found})  # config.yaml records it
+    per_device = math.ceil(len(spec.datasets["train"]) / fabric.world_size)
+    if args.batch_size > per_device:  # a batch holds what there is: the header and config.yaml say what is used
+        say(f"--batch-size {args.batch_size} is more than the {per_device:,} training rows per device: using "
+            f"{per_device}")
+        args = with_values(args, {"batch_size": per_device})
+    if args.fast_dev_run:  # N batches of each split on every process
+        batches = args.fast_dev_run * fabric.world_size
+        eval_rows = batches * (args.eval_batch_size or 2 * args.batch_size)
+        spec = cut_splits(spec, {"train": batches * args.batch_size * args.grad_accum, "validation": eval_rows,
+                                 "test": eval_rows})
     if resume_from:  # a requeued job may come back on fewer devices: it continues with the same optimizer steps
         args = with_values(args, {"grad_accum": keep_rows_per_step(fabric, args, read_record(resume_from))})
     loaders = make_loaders(fabric, args, spec)
@@ -109,15 +154,16 @@ def main(fabric, args, out_dir: Path) -> dict:
     warn_if_updates_vanish(fabric.strategy.precision, lr=args.lr)
     scheduler = build_scheduler(torch_optimizer, args.scheduler, lr=args.lr, max_steps=max_steps, warmup=args.warmup,
                                 min_lr_rate=args.min_lr_rate)
+    rule = best_rule(spec.objective, args.best_metric)
     state = restore(fabric, args, spec, model, optimizer, scheduler, max_steps, checkpoint=resume_from)
     # only now: bad data, model or checkpoint leave the folder as it was; each resumed segment keeps its own flags
     save_config(fabric, args, out_dir, resumed_at=state["step"] if resume_from else None, environment=env)
     save_tracker_ids(fabric, out_dir)  # starts the tracked runs (MLflow, W&B) and keeps their ids for a resume
     if not args.quiet:
-        say(header(fabric, args, spec, max_steps, steps_per_epoch, out_dir))
+        say(header(fabric, args, spec, max_steps, steps_per_epoch, out_dir, threads, rule))
 
     if fit(fabric, args, state, loaders=loaders, preemption=preemption, ckpt_dir=out_dir / "checkpoints",
-           max_steps=max_steps, steps_per_epoch=steps_per_epoch, flops_of=flops_of, spec=spec):
+           max_steps=max_steps, steps_per_epoch=steps_per_epoch, flops_of=flops_of, spec=spec, rule=rule):
         finalize_loggers(fabric.loggers, status="preempted")  # this segment's metrics stay on disk
         say(f"preempted: saved a checkpoint at step {state['step']}; rerun with --resume auto")
         preemption.exit(fabric, loaders, out_dir, step=state["step"],  # status EXIT_PREEMPTED (75)
@@ -141,8 +187,8 @@ def build(fabric, args, spec: TaskSpec, pretrained: bool):
     step_loss = functools.partial(training_loss, spec.objective)
     flops_of = training_flops_fn(  # FLOPs of forward and backward, for MFU
         model, step_loss, lambda size: spec.example_batch(1, size, "cpu"), max_size=spec.max_size)
-    if args.compile:  # fabric.setup recompiles it around the strategy's wrapper; dynamic: one graph for every length
-        model = torch.compile(model, mode=args.compile_mode, dynamic=True)
+    if args.compile:  # fabric.setup recompiles it around the strategy's wrapper
+        model = compile_model(model, mode=compile_mode(fabric, args.compile_mode))
     # at rate 0: the schedule sets the peak once the run's length, on which the default depends, is known
     model, optimizer, torch_optimizer = setup_model_and_optimizer(                              # Fabric step 3
         fabric, model, lambda module, shapes: build_optimizer(module, name=args.optimizer, lr=0.0,
@@ -152,6 +198,14 @@ def build(fabric, args, spec: TaskSpec, pretrained: bool):
     if source:
         load_pretrained(fabric, model, source)
     return model, optimizer, torch_optimizer, flops_of, params
+
+
+def compile_mode(fabric, mode: str) -> str:
+    """--compile-mode, whose default on CUDA under one device or DDP is reduce-overhead: CUDA graphs launch a step's
+    hundreds of kernels at once, as batches come in a few shapes (buckets); sharded strategies gather parameters
+    between kernels, which a graph cannot hold."""
+    graphs_fit = fabric.device.type == "cuda" and isinstance(fabric.strategy, (SingleDeviceStrategy, DDPStrategy))
+    return "reduce-overhead" if mode == "default" and graphs_fit else mode
 
 
 ROWS_PER_STEP = "rows per optimizer step (--batch-size x devices x --grad-accum)"
@@ -178,7 +232,36 @@ def restore(fabric, args, spec: TaskSpec, model, optimizer, scheduler, max_steps
     return state
 
 
-def header(fabric, args, spec: TaskSpec, max_steps: int, steps_per_epoch: int, out_dir: Path) -> str:
+def best_rule(objective, choice: str | None) -> tuple[str, str, Callable[[float, float | None], bool]]:
+    """The validation metric that picks checkpoints/best, its direction and its comparison: the task's, or
+    ``--best-metric NAME[:max|:min]`` (the loss, or a metric whose torchmetrics class knows its direction)."""
+    if choice is None:
+        direction = {True: "max", False: "min"}.get(getattr(objective, "higher_is_better", None), "the task's rule")
+        return objective.best_metric, direction, objective.is_better
+    name, _, direction = choice.partition(":")
+    metrics = objective.make_metrics()
+    if name != "loss" and name not in metrics:
+        raise UserError(f"--best-metric {choice}: the validation metrics are {', '.join(['loss', *metrics])}")
+    if not direction:
+        higher = False if name == "loss" else getattr(metrics[name], "higher_is_better", None)
+        if higher is None:
+            raise UserError(f"--best-metric {name}: its direction is not known; pass {name}:max or {name}:min")
+        direction = "max" if higher else "min"
+    if direction not in ("max", "min"):
+        raise UserError(f"--best-metric {choice}: the direction is max or min, got {direction}")
+    return name, direction, lambda value, best: best is None or (value > best if direction == "max" else value < best)
+
+
+def improves(val: dict, best: dict, metric: str, is_better) -> bool:
+    """Whether validation results ``val`` beat ``best``'s on ``metric``; a tie (an accuracy of 1.0 reached early, say)
+    goes to the lower validation loss, so the export is the model that went on learning."""
+    if best and val[metric] == best[metric]:
+        return val["loss"] < best["loss"]
+    return is_better(val[metric], best.get(metric))
+
+
+def header(fabric, args, spec: TaskSpec, max_steps: int, steps_per_epoch: int, out_dir: Path, threads: str,
+           rule: tuple) -> str:
     """What the run is about to do, in four lines."""
     splits = ", ".join(f"{len(rows):,} {name}" for name, rows in spec.datasets.items())
     devices, nodes = fabric.world_size, getattr(fabric.strategy, "num_nodes", 1)
@@ -190,8 +273,9 @@ def header(fabric, args, spec: TaskSpec, max_steps: int, steps_per_epoch: int, o
         f"{devices} device{'s' * (devices > 1)} x --grad-accum {args.grad_accum}), peak --lr {args.lr:.3g}",
         f"launch    {devices} {fabric.device.type} process{'es' * (devices > 1)}"
         + (f" on {nodes} nodes" if nodes > 1 else "")
-        + f", {type(fabric.strategy).__name__}, precision {fabric.strategy.precision.precision}",
-        f"run       {out_dir} (environment.json there: versions and hardware)"])
+        + f", {type(fabric.strategy).__name__}, precision {fabric.strategy.precision.precision}, {threads} per process",
+        f"run       {out_dir} (environment.json there: versions and hardware), checkpoints/best by validation "
+        f"{rule[0]} ({rule[1]})"])
 
 
 def keep_rows_per_step(fabric, args, record: dict) -> int:
@@ -217,8 +301,10 @@ def make_loaders(fabric, args, spec: TaskSpec) -> dict:
         rank=fabric.global_rank, seed=args.seed, group_by_length=args.group_by_length,
         num_workers=default_num_workers(fabric) if args.num_workers is None else args.num_workers,
         pin_memory=fabric.device.type == "cuda", grad_accum=args.grad_accum)
-    # the samplers already shard rows across ranks, so Fabric only moves batches to the device
-    return dict(zip(loaders, fabric.setup_dataloaders(*loaders.values(), use_distributed_sampler=False)))
+    # the samplers already shard rows across ranks; batches reach the loop on the host, where it counts their rows
+    # and tokens without reading the device, and fabric.to_device moves them (non-blocking from pinned memory)
+    return dict(zip(loaders, fabric.setup_dataloaders(*loaders.values(), use_distributed_sampler=False,
+                                                      move_to_device=False)))
 
 
 def training_loss(objective, model, batch: dict) -> torch.Tensor:
@@ -226,8 +312,9 @@ def training_loss(objective, model, batch: dict) -> torch.Tensor:
 
 
 def fit(fabric, args, state, loaders, preemption, ckpt_dir, max_steps, steps_per_epoch, flops_of,
-        spec: TaskSpec) -> bool:
-    """Trains until ``max_steps``, early stopping or preemption; returns whether it was preempted."""
+        spec: TaskSpec, rule: tuple) -> bool:
+    """Trains until ``max_steps``, early stopping or preemption (``rule``: best_rule's, which keeps checkpoints/best);
+    returns whether it was preempted."""
     model, optimizer, scheduler, train_loader = state["model"], state["optimizer"], state["scheduler"], loaders["train"]
     objective = spec.objective
     progress = Progress(fabric, max_steps, args.quiet, metrics=objective.make_metrics(),
@@ -235,7 +322,9 @@ def fit(fabric, args, state, loaders, preemption, ckpt_dir, max_steps, steps_per
                         start_step=state["step"], chance_loss=spec.chance_loss, losses=state["train_losses"])
     monitor = Throughput(fabric, args.peak_tflops, flops_of, sized=spec.row_sizes is not None)
     if args.compile:
-        warm_up(fabric, model, optimizer, next(iter(train_loader)), functools.partial(training_loss, objective))
+        kinds = batch_kinds(itertools.chain([spec.example_batch(args.batch_size, None, "cpu")], train_loader))
+        warm_up(fabric, model, optimizer, [fabric.to_device(fill_rows(batch, args.batch_size)) for batch in kinds],
+                functools.partial(training_loss, objective))
     fabric.barrier()
     monitor.start(state["step"])
     stale, preempted, stop = 0, False, False
@@ -243,17 +332,20 @@ def fit(fabric, args, state, loaders, preemption, ckpt_dir, max_steps, steps_per
         train_loader.batch_sampler.set_epoch(state["epoch"], start_batch=state["batch_in_epoch"])
         epoch_batches = state["batch_in_epoch"] + len(train_loader)  # the sampler skips what a resume has done
         for batch in train_loader:
+            rows = len(batch["labels"])
+            monitor.count(rows, spec.row_sizes(batch) if spec.row_sizes else None)
+            # a short last batch takes the others' shape; its filling rows are left out of the loss
+            batch = fabric.to_device(fill_rows(batch, args.batch_size))
             # the micro-batches one optimizer step averages: --grad-accum, fewer at the end of the epoch
             group_start = state["batch_in_epoch"] - state["batch_in_epoch"] % args.grad_accum
             group_size = min(args.grad_accum, epoch_batches - group_start)
             state["batch_in_epoch"] += 1
             is_last = state["batch_in_epoch"] == group_start + group_size
             with fabric.no_backward_sync(model, enabled=not is_last):  # DDP all-reduces only on the last
-                logits = objective.forward(model, batch)
-                loss = objective.loss(logits, batch)
+                logits = objective.forward(model, batch)[:rows]
+                loss = objective.loss(logits, first_rows(batch, rows))
                 fabric.backward(loss / group_size)                                           # Fabric step 4
-            progress.update(loss, logits, batch["labels"])
-            monitor.count(len(batch["labels"]), spec.row_sizes(batch) if spec.row_sizes else None)
+            progress.update(loss, logits, batch["labels"][:rows])
             if not is_last:
                 continue
             if args.grad_clip and clips_in_loop(fabric):  # DeepSpeed clips inside optimizer.step()
@@ -271,9 +363,9 @@ def fit(fabric, args, state, loaders, preemption, ckpt_dir, max_steps, steps_per
             if epoch_ends or (args.val_every and step % args.val_every == 0) or step == max_steps:
                 with monitor.paused():  # the throughput clock counts training time only
                     val = validate(fabric, model, loaders["validation"], objective=objective, step=step,
-                                   show=progress.note)
+                                   show=progress.note, quiet=args.quiet)
                     warn_if_stuck(progress, val["loss"], step, max_lr=args.lr)
-                    if objective.is_better(val[objective.best_metric], state["best_val"].get(objective.best_metric)):
+                    if improves(val, state["best_val"], metric=rule[0], is_better=rule[2]):
                         state["best_val"], stale = val, 0  # the best model so far is kept as checkpoints/best
                         best = {"model": model, "fingerprint": state["fingerprint"], "step": step}
                         save_checkpoint(fabric, ckpt_dir, "best", best)
@@ -314,33 +406,36 @@ def warn_if_stuck(progress, val_loss, step, max_lr) -> None:
             f"--lr (now {max_lr:g}) if the loss jumped there at once, else a higher one or more --epochs")
 
 
-def validate(fabric, model, loader, objective, step, show) -> dict:
+def validate(fabric, model, loader, objective, step, show, quiet: bool) -> dict:
     """Evaluates on the validation split, logs the result and ``show``s it."""
-    val = evaluate(fabric, model, loader, objective=objective)
+    val = evaluate(fabric, model, loader, objective=objective, shown_as=None if quiet else "validation")
     fabric.log_dict({f"val/{name}": value for name, value in val.items() if name != "examples"}, step=step)
     show(f"step {step}: " + ", ".join(f"val {k} {v:.4f}" for k, v in val.items() if k != "examples"))
     return val
 
 
 @torch.no_grad()
-def evaluate(fabric, model, loader, objective, predict: bool = False) -> dict:
+def evaluate(fabric, model, loader, objective, predict: bool = False, shown_as: str | None = None) -> dict:
     """Loss and the task's metrics over every row of the split exactly once, summed over all ranks; with
-    ``predict``, also ``"predictions"``: the objective's columns for every row, in the split's row order."""
+    ``predict``, also ``"predictions"``: the objective's columns for every row, in the split's row order. Progress is
+    shown under the name ``shown_as`` (None: not shown)."""
     model.eval()
     mean_loss, rows = MeanMetric().to(fabric.device), SumMetric().to(fabric.device)
     metrics = objective.make_metrics().to(fabric.device)
-    remaining = loader.batch_sampler.num_real  # the rest repeat a row so all ranks run the same number of batches
+    remaining = loader.batch_sampler.num_real  # the rest repeat a row: all ranks run as many batches, of one size
     predicted = []
-    for batch in loader:
+    for batch in counted(fabric, loader, shown_as) if shown_as else loader:
+        batch = fabric.to_device(batch)
         # every rank runs every forward, repeated rows too: under fsdp, fsdp2 and ZeRO-3 a skipped one hangs the rest
         logits = objective.forward(model, batch)
         if predict:  # of every row, repeated ones too: each rank then holds as many rows, as a gather needs
-            predicted.append(objective.predict(logits, batch))
+            # copies: a CUDA graph (reduce-overhead) writes its next outputs where these are
+            predicted.append({name: value.clone() for name, value in objective.predict(logits, batch).items()})
         real = min(len(logits), remaining)
         remaining -= real
         if real == 0:
             continue
-        batch, logits = {name: value[:real] for name, value in batch.items()}, logits[:real]
+        batch, logits = first_rows(batch, real), logits[:real]
         mean_loss.update(objective.loss(logits, batch, reduction="none"))
         metrics.update(logits, batch["labels"])
         rows.update(real)
@@ -369,7 +464,8 @@ def finish(fabric, args, state, loaders, out_dir, spec: TaskSpec, report) -> dic
     model, best = state["model"], out_dir / "checkpoints" / "best" / "state"
     load_weights(fabric, best, model)
     objective = spec.objective
-    test = evaluate(fabric, model, loaders["test"], objective=objective, predict=True)
+    test = evaluate(fabric, model, loaders["test"], objective=objective, predict=True,
+                    shown_as=None if args.quiet else "test")
     predictions = test.pop("predictions")
     # what training and testing held on each rank, before the export gathers the whole model on rank 0's host
     peaks = peak_memory_per_rank(fabric)
@@ -381,7 +477,8 @@ def finish(fabric, args, state, loaders, out_dir, spec: TaskSpec, report) -> dic
                **state["throughput"], "peak_memory_mb_per_rank": peaks, **report, "config": vars(args)}
     finalize_loggers(fabric.loggers)  # flushes metrics.csv, which the plots read; ends the tracked runs
     if fabric.is_global_zero:
-        write_predictions(out_dir / "test_predictions.csv", predictions)
+        write_predictions(out_dir / "test_predictions.csv",
+                          spec.prediction_table(predictions) if spec.prediction_table else predictions)
         (out_dir / "results.json").write_text(json.dumps(results, indent=2))
         (out_dir / STATUS_FILE).unlink(missing_ok=True)  # a resumed run that completed is no longer preempted
         plot_metrics(out_dir)

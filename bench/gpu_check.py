@@ -159,8 +159,8 @@ def save_shape(folder: Path, config_class: str, config: dict) -> tuple[Path, int
         torch.manual_seed(0)
         model = transformers.AutoModelForSequenceClassification.from_config(config)
         model.save_pretrained(folder)
-        transformers.AutoTokenizer.from_pretrained(DEMO / "model").save_pretrained(folder)
-    config = transformers.AutoConfig.from_pretrained(folder)
+        transformers.AutoTokenizer.from_pretrained(DEMO / "model", trust_remote_code=False).save_pretrained(folder)
+    config = transformers.AutoConfig.from_pretrained(folder, trust_remote_code=False)
     with torch.device("meta"):
         count = sum(p.numel() for p in transformers.AutoModelForSequenceClassification.from_config(config).parameters())
     return folder, count

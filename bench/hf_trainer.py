@@ -128,7 +128,7 @@ def main(argv=None):
     data = load_splits(args.dataset, args.text_column, args.label_column, seed=args.seed, train_size=args.train_size,
                        val_size=args.val_size, test_size=args.test_size, problem_type=args.problem_type,
                        label_separator=args.label_separator, text_pair_column=args.text_pair_column)
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=False)
     tokenized = tokenize_splits(data.splits, tokenizer, args.text_column, args.max_length,  # keeps a "length" column
                                 args.text_pair_column)
     dropouts = (None, None) if args.own_defaults else (args.attention_dropout, args.hidden_dropout)

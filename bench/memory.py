@@ -46,7 +46,7 @@ def save_models(folder: Path, hidden: int, layers: int, saved: list[str]) -> dic
     from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
 
     _, demo_model = prepare_demo(Path.home() / ".cache" / "fabric-template" / "demo")
-    tokenizer = AutoTokenizer.from_pretrained(demo_model)
+    tokenizer = AutoTokenizer.from_pretrained(demo_model, trust_remote_code=False)
     config = BertConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=hidden // 64,
                         intermediate_size=4 * hidden, num_labels=2)
     torch.manual_seed(0)
@@ -85,7 +85,7 @@ def build_and_load(models: dict[str, Path], strategies: list[str], checkouts: di
     strategy and checkout; with the target: the fp32 model over 2 ranks, its largest shard unit, 150 MB."""
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
-    config = AutoConfig.from_pretrained(next(iter(models.values())))
+    config = AutoConfig.from_pretrained(next(iter(models.values())), trust_remote_code=False)
     with torch.device("meta"):
         model = AutoModelForSequenceClassification.from_config(config)
     layers = model.bert.encoder.layer

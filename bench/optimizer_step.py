@@ -24,7 +24,8 @@ def main():
     args = p.parse_args()
     from transformers import AutoModelForSequenceClassification
 
-    model = AutoModelForSequenceClassification.from_pretrained(args.model or default_model(), num_labels=2)
+    model = AutoModelForSequenceClassification.from_pretrained(args.model or default_model(), num_labels=2,
+                                                               trust_remote_code=False)
     for param in model.parameters():
         param.grad = torch.randn_like(param)
     cpu = torch.device("cpu")

@@ -32,12 +32,13 @@ def main():
     p.add_argument("--attention-dropout", type=float, default=0.0)
     args = p.parse_args()
 
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=False)
     texts = pd.read_parquet(args.data)["text"].tolist()[: args.batch_size]
     batch = tokenizer(texts, truncation=True, max_length=args.length, padding="max_length", return_tensors="pt")
     batch["labels"] = torch.zeros(args.batch_size, dtype=torch.long)
     model = AutoModelForSequenceClassification.from_pretrained(args.model, num_labels=2,
-                                                               attention_probs_dropout_prob=args.attention_dropout)
+                                                               attention_probs_dropout_prob=args.attention_dropout,
+                                                               trust_remote_code=False)
     model.train()
     optimizer = build_optimizer(model, "adamw", lr=1e-4, weight_decay=0.01, device=torch.device("cpu"))
     bf16 = auto_precision("auto") == "bf16-mixed"

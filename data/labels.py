@@ -11,6 +11,7 @@ strings and columns of another type are read value by value, which is still fast
 """
 
 import math
+import re
 from collections import Counter
 
 import datasets
@@ -59,7 +60,20 @@ def resolve_problem_type(train: datasets.Dataset, column: str, problem_type: str
     if class_kind not in ("int", "str"):
         raise UserError(f"column {column!r} of the train split holds {_describe_type(train, column)}, but "
                         f"{problem_type} labels must be integer class ids or strings")
+    if problem_type == "single_label" and class_kind == "str" and _arrow_kind(train.data.column(column).type) == "str":
+        _refuse_mixed_kinds(train.data.column(column), column)
     return problem_type, class_kind
+
+
+def _refuse_mixed_kinds(column: pa.ChunkedArray, name: str) -> None:
+    """A CSV column of ``0``/``1`` and ``pos``/``neg`` reads as strings: four classes, where the data meant two."""
+    names = {cell.strip() for cell in pc.unique(column).to_pylist() if cell and cell.strip()}
+    ids = sorted((cell for cell in names if re.fullmatch(r"[+-]?\d+", cell)), key=int)
+    words = sorted(names - set(ids))
+    if ids and words:
+        raise UserError(f"column {name!r} of the train split mixes integer class ids ({', '.join(ids[:3])}) with "
+                        f"class names ({', '.join(words[:3])}), which would train as {len(names)} classes; give "
+                        f"every row the same kind of label")
 
 
 def read_labels(split: datasets.Dataset, column: str, problem_type: str, kind: str | None,

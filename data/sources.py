@@ -164,6 +164,15 @@ def read_rows(path: Path) -> datasets.Dataset:
     return _load_local({"rows": path})["rows"]
 
 
+def check_texts(rows: datasets.Dataset, path: Path, columns: list[str]) -> None:
+    """Rows to predict have text in each of ``columns``: else one line naming the first rows without any."""
+    for column in columns:
+        blank = np.flatnonzero(_blank_text(rows, column, "--text-column"))
+        if len(blank):
+            raise UserError(f"{_rows(len(blank))} of {path} have missing or empty text in column {column!r}, first at "
+                            f"{_where(blank[:5].tolist(), path)}; fill them in or leave them out")
+
+
 def _load_raw(source) -> tuple[datasets.DatasetDict, dict[str, Path]]:
     """The source's splits, and for local files, the file of each split."""
     path = Path(source).expanduser()
@@ -208,6 +217,11 @@ def _load_local(files: dict) -> datasets.DatasetDict:
         empty = re.search(r'Instruction "(\w+)" corresponds to no data', str(err))
         if empty and empty.group(1) in files:  # a header and no rows
             raise UserError(f"dataset file {files[empty.group(1)]} has no rows") from err
+        if isinstance(cause, UnicodeDecodeError):  # most often a spreadsheet's export in Latin-1 or Windows-1252
+            raise UserError(f"dataset files {sorted(str(f) for f in files.values())} are not UTF-8 text (byte "
+                            f"{cause.object[cause.start:cause.start + 1].hex(' ')} is not UTF-8): re-save them as "
+                            f"UTF-8, e.g. iconv -f cp1252 -t utf-8 FILE > NEW (cp1252 or latin1: what wrote it)"
+                            ) from err
         raise UserError(f"cannot read dataset files {sorted(str(f) for f in files.values())} as {file_format}: "
                         f"{first_line(cause)[:300]}") from err
 

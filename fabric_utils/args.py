@@ -3,6 +3,7 @@ torch or Lightning, so ``--help`` and a bad value answer at once."""
 
 import argparse
 import contextlib
+import difflib
 import os
 from pathlib import Path
 
@@ -52,9 +53,28 @@ def batch_size(text: str):
 
 
 class Parser(argparse.ArgumentParser):
+    def __init__(self, **kwargs):
+        super().__init__(allow_abbrev=False, **kwargs)  # a misspelt flag is refused, not taken for a longer one
+
     def error(self, message: str):
         """One line, as every other bad input: the usage block is for --help."""
         self.exit(2, f"error: {message}\n")
+
+    def parse_args(self, args=None, namespace=None):
+        """As argparse's, but an unknown flag is named with the closest known one."""
+        parsed, unknown = self.parse_known_args(args, namespace)
+        if unknown:
+            self.error(self.unknown_flags(unknown))
+        return parsed
+
+    def unknown_flags(self, words: list[str]) -> str:
+        flags = [word.split("=", 1)[0] for word in words if word.startswith("--")]
+        if not flags:
+            return f"unrecognized arguments: {' '.join(words)}"
+        known = [option for action in self._actions for option in action.option_strings]
+        named = [flag + "".join(f" (did you mean {close}?)" for close in difflib.get_close_matches(flag, known, n=1))
+                 for flag in flags]
+        return f"unknown flag{'s' * (len(flags) > 1)} {', '.join(named)}; --help lists every flag"
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -148,23 +168,32 @@ def build_parser(description: str) -> argparse.ArgumentParser:
                    "rows of similar size (where the task gives sizes, e.g. tokens) so per-batch padding stays small")
     g.add_argument("--num-workers", type=non_negative_int, help="DataLoader worker processes per rank (default: from "
                    "CPU count and processes per node)")
+    g.add_argument("--num-threads", type=positive_int, help="intra-op CPU threads per process (default: "
+                   "OMP_NUM_THREADS where you set it, else the CPUs this process may use divided among the node's "
+                   "processes; under `fabric run` and torchrun, which set OMP_NUM_THREADS themselves, the latter)")
     g.add_argument("--peak-tflops", type=positive_float, help="peak dense TFLOP/s of a device in its precision, for "
                    "MFU where Fabric lacks it (CPUs; GPUs it warns 'FLOPs not found' for: an H200 does 989 in bf16)")
 
     g = p.add_argument_group("evaluation, checkpoints and output")
     g.add_argument("--val-every", type=positive_int, help="also validate every N optimizer steps")
     g.add_argument("--out-dir", help="run folder (default: a new folder under runs/)")
+    g.add_argument("--best-metric", help="the validation metric that picks checkpoints/best (and --early-stop): loss "
+                   "or one of the task's metrics, NAME:max or NAME:min where its direction is not known (default: the "
+                   "task's, e.g. acc); ties go to the lower validation loss")
     g.add_argument("--early-stop", type=positive_int, help="stop when the validation metric has not improved for "
                    "N validations in a row (the best model is still tested and exported)")
     g.add_argument("--save-every", type=positive_int, help="also checkpoint every N optimizer steps")
     g.add_argument("--keep-last", type=positive_int, default=2, help="keep this many newest step checkpoints")
-    g.add_argument("--resume", help="auto: continue from the newest checkpoint in --out-dir (fresh start if none); "
-                   "or a checkpoint folder")
+    g.add_argument("--resume", help="auto: continue from the newest checkpoint in --out-dir (fresh start if none), "
+                   "with the flags of its config.yaml unless --config is given; or a checkpoint folder")
     g.add_argument("--logger", default="csv", help="comma list of csv, tensorboard, mlflow, wandb (the CSV log is "
                    "always written: the plots read it)")
     g.add_argument("--tracker-project", default="fabric-template", help="MLflow experiment and W&B project name "
                    "(the run is named after the run folder)")
     g.add_argument("--log-every", type=positive_int, default=10, help="log metrics every N optimizer steps")
+    g.add_argument("--fast-dev-run", type=positive_int, nargs="?", const=2, metavar="N", help="a check of the whole "
+                   "run in seconds (as Lightning's fast_dev_run): N training steps (2 if no N), N validation and test "
+                   "batches, the export, in a temporary folder removed at the end; CSV logging only")
     g.add_argument("--quiet", action="store_true", help="no header, progress or validation lines (notices, the "
                    "result and errors still print)")
     g.add_argument("--verbose", action="store_true", help="also print the environment report and what the libraries "
@@ -173,10 +202,12 @@ def build_parser(description: str) -> argparse.ArgumentParser:
 
 
 def parse_flags(parser: argparse.ArgumentParser, argv=None, presets: dict | None = None) -> argparse.Namespace:
-    """Parses ``argv``; ``--config FILE`` values become defaults, and ``presets`` maps a flag to the defaults it
-    brings when set (``{"demo": {"epochs": 1}}``): the file wins over presets, the command line over both."""
+    """Parses ``argv``; ``--config FILE`` values (resuming a run folder: its ``config.yaml``'s) become defaults, and
+    ``presets`` maps a flag to the defaults it brings when set (``{"demo": {"epochs": 1}}``): the file wins over
+    presets, the command line over both."""
     args = parser.parse_args(argv)
-    config = load_config(args.config, parser) if args.config else {}
+    config_file = args.config or run_config(args.out_dir, args.resume)
+    config = load_config(config_file, parser) if config_file else {}
     parser.set_defaults(**config)
     args = parser.parse_args(argv)
     for flag, defaults in (presets or {}).items():
@@ -188,6 +219,14 @@ def parse_flags(parser: argparse.ArgumentParser, argv=None, presets: dict | None
             raise UserError(f"unknown logger {name!r}: --logger takes a comma list of {', '.join(LOGGER_NAMES)}")
     fabric_run_settings({name: getattr(args, name) for name in LAUNCH_DEFAULTS})  # checked before torch loads
     return args
+
+
+def run_config(out_dir: str | None, resume: str | None) -> str | None:
+    """The flags of the run that ``--resume auto`` continues (its ``config.yaml``), so that ``--out-dir`` is all a
+    resume needs; a flag given now that changes the run is refused when its checkpoint is read."""
+    if resume == "auto" and out_dir and (path := Path(out_dir) / "config.yaml").is_file():
+        return str(path)
+    return None
 
 
 def with_values(args: argparse.Namespace, values: dict) -> argparse.Namespace:

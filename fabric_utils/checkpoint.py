@@ -1,25 +1,28 @@
 """Atomic, resumable checkpoints through ``fabric.save`` / ``fabric.load`` (so FSDP and DeepSpeed shard them): a folder
 ``step-000123`` with ``state``, ``rng-rank<r>.pt`` per rank, ``record.json`` (fingerprint and world size, read before
-anything loads) and ``manifest.json`` (every file's size), written as ``.tmp-*`` and renamed once every rank is done;
-``--resume auto`` takes the newest whose manifest still matches (a disk, a copy or a hand can damage one later)."""
+anything loads) and ``manifest.json`` (every file's size and SHA-256), written as ``.tmp-*`` and renamed once every rank is done;
+``--resume auto`` takes the newest whose manifest still matches (a disk, a copy or a hand can damage one later). Before
+anything loads, rank 0 checks the chosen one's files against its manifest and its pickles against an allow-list
+(``safe_pickle``): a run folder from someone else can hold anything."""
 
 import contextlib
 import errno
+import hashlib
 import json
-import pickle
 import random
 import re
 import shutil
-import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
 from lightning.fabric.strategies import DeepSpeedStrategy, ModelParallelStrategy
+from torch.distributed.checkpoint import CheckpointException
 
 from fabric_utils.errors import UserError, first_line
 from fabric_utils.launcher import scales_loss
+from fabric_utils.safe_pickle import check_folder, load_torch_file
 
 STEP_PATTERN = re.compile(r"^step-(\d+)$")
 MANIFEST = "manifest.json"
@@ -121,6 +124,7 @@ def _deepspeed_weights_only(fabric, state: dict):
 def load_weights(fabric, path: Path, model) -> None:
     """A checkpoint's weights into the set-up ``model``. ZeRO-3 loads its optimizer too, so each rank reads only its
     own file (the weights alone are built whole on every rank), which leaves the optimizer unfit for more steps."""
+    verify(fabric, path.parent)
     state = {"model": model}
     if isinstance(fabric.strategy, DeepSpeedStrategy) and fabric.strategy.zero_stage_3:
         state["optimizer"] = fabric.strategy.model.optimizer  # the engine's ZeRO optimizer
@@ -128,30 +132,48 @@ def load_weights(fabric, path: Path, model) -> None:
 
 
 def write_manifest(folder: Path) -> None:
-    files = {str(p.relative_to(folder)): p.stat().st_size for p in sorted(folder.rglob("*")) if p.is_file()}
+    files = {str(p.relative_to(folder)): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+             for p in sorted(folder.rglob("*")) if p.is_file() and p != folder / MANIFEST}
     (folder / MANIFEST).write_text(json.dumps(files, indent=0))
 
 
-def damage(path: Path) -> str | None:
-    """What is wrong with checkpoint folder ``path`` by its manifest, or None."""
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def damage(path: Path, contents: bool = True) -> str | None:
+    """What is wrong with checkpoint folder ``path`` by its manifest, or None; ``contents``: hash every file too (the
+    sizes alone only tell a cut or missing file)."""
     try:
         files = json.loads((path / MANIFEST).read_text())
-    except (OSError, ValueError):
+        written = {name: (int(entry["bytes"]), str(entry["sha256"])) for name, entry in files.items()}
+    except (OSError, ValueError, TypeError, KeyError):
         return f"its {MANIFEST} is missing or cannot be read"
-    for name, size in files.items():
-        if not (path / name).is_file():
+    folder = path.resolve()
+    found = {str(p.relative_to(path)) for p in path.rglob("*") if p.is_file()} - {MANIFEST}
+    for name, (size, digest) in written.items():
+        file = path / name
+        if not file.resolve().is_relative_to(folder):  # a manifest names its own files only
+            return f"its {MANIFEST} names {name}, outside the checkpoint"
+        if not file.is_file():
             return f"{name} is missing"
-        if (found := (path / name).stat().st_size) != size:
-            return f"{name} has {found} bytes, not the {size} written"
+        if (on_disk := file.stat().st_size) != size:
+            return f"{name} has {on_disk} bytes, not the {size} written"
+        if contents and _sha256(file) != digest:
+            return f"{name} is not the file written (its SHA-256 differs)"
+    if extra := sorted(found - written.keys()):
+        return f"{extra[0]} was not written with it"
     return None
 
 
-def step_checkpoints(root: Path, report: Callable[[str], None] | None = None) -> list[Path]:
-    """Whole step checkpoints under ``root``, oldest first; ``report`` is told of each damaged one left out."""
+def step_checkpoints(root: Path, report: Callable[[str], None] | None = None, contents: bool = False) -> list[Path]:
+    """Whole step checkpoints under ``root``, oldest first (by their files' sizes; ``contents``: and hashes);
+    ``report`` is told of each damaged one left out."""
     found = []
     for path in sorted((p for p in root.glob("step-*") if p.is_dir() and STEP_PATTERN.match(p.name)),
                        key=lambda p: int(STEP_PATTERN.match(p.name).group(1))):
-        problem = damage(path)
+        problem = damage(path, contents)
         if problem is None:
             found.append(path)
         elif report:
@@ -169,8 +191,11 @@ def find_resume_checkpoint(resume: str | None, root: Path, report: Callable[[str
             if not final.exists() and damage(old) is None:
                 with contextlib.suppress(OSError):  # another process got there first
                     old.rename(final)
-        found = step_checkpoints(root, report)
-        return found[-1] if found else None
+        for path in reversed(step_checkpoints(root, report)):  # hashed newest first, until one is whole
+            if (problem := damage(path)) is None:
+                return path
+            report(f"skipping damaged checkpoint {path}: {problem}")
+        return None
     path = Path(resume)
     if not (path / "state").exists():
         raise UserError(f"--resume {resume} is not a checkpoint folder (expected {path}/state); pass auto or a "
@@ -182,16 +207,41 @@ def find_resume_checkpoint(resume: str | None, root: Path, report: Callable[[str
 
 def agreed_resume_checkpoint(fabric, resume: str | None, root: Path,
                              report: Callable[[str], None] = print) -> Path | None:
-    """``find_resume_checkpoint`` as rank 0 sees it, on every rank: ranks that listed the folder each for themselves
-    could pick different checkpoints (a node-local --out-dir, a network file system that shows new folders late)."""
-    found = find_resume_checkpoint(resume, root, report) if fabric.is_global_zero else None
-    chosen = fabric.broadcast(None if found is None else str(found))
+    """``find_resume_checkpoint`` as rank 0 sees it, on every rank, its pickles checked by rank 0: ranks that listed
+    the folder each for themselves could pick different checkpoints (a node-local --out-dir, a network file system
+    that shows new folders late)."""
+    found, refused = None, None
+    if fabric.is_global_zero:
+        found = find_resume_checkpoint(resume, root, report)
+        refused = _refusal(found) if found else None
+    chosen, refused = fabric.broadcast((None if found is None else str(found), refused))
+    if refused:
+        raise UserError(refused)
     if chosen is None:
         return None
-    if damage(Path(chosen)):
+    if damage(Path(chosen), contents=False):
         raise UserError(f"cannot resume: rank 0 resumes from {chosen}, which rank {fabric.global_rank} does not see "
                         f"whole; give every node the same --out-dir on a shared file system", rank=fabric.global_rank)
     return Path(chosen)
+
+
+def _refusal(folder: Path) -> str | None:
+    """Why rank 0 refuses to load checkpoint ``folder`` (a pickle outside the allow-list), or None."""
+    try:
+        check_folder(folder)
+    except UserError as err:
+        return str(err)
+    return None
+
+
+def verify(fabric, folder: Path) -> None:
+    """Refuses, on every rank, a checkpoint ``folder`` that changed since it was written or that could run code."""
+    refused = None
+    if fabric.is_global_zero:
+        problem = damage(folder)
+        refused = f"checkpoint {folder} is damaged: {problem}" if problem else _refusal(folder)
+    if refused := fabric.broadcast(refused):
+        raise UserError(refused)
 
 
 def read_record(path: Path) -> dict:
@@ -216,19 +266,14 @@ def load_checkpoint(fabric, path: Path, state: dict, expected_fingerprint: dict 
         raise UserError(f"checkpoint {path} holds the shards of {written_by} processes, which "
                         f"{type(fabric.strategy).__name__} cannot reshard for {fabric.world_size}: resume on "
                         f"{written_by} (ddp and fsdp2 checkpoints resume on any number of devices)")
-    damaged = (f"cannot restore checkpoint {path}: its state file is damaged or was not written by train.py; pass "
-               f"another --resume or start a new --out-dir")
-    # torch.save writes a zip archive; unpickling other bytes fails with any error, not only UnpicklingError
-    if (path / "state").is_file() and not zipfile.is_zipfile(path / "state"):
-        raise UserError(damaged)
     target = with_loss_scaler(fabric, state)  # fabric.load restores it in place, in the plugin
     live = {key: obj for key, obj in target.items() if hasattr(obj, "load_state_dict")}
     try:
         fabric.load(path / "state", target, weights_only=True)
-    except pickle.UnpicklingError as err:  # torch's own message suggests weights_only=False: not the fix for this
-        raise UserError(damaged) from err
-    except Exception as err:  # torch, safetensors and DeepSpeed each raise their own kinds for a bad file
-        raise UserError(f"cannot restore checkpoint {path}: {first_line(err)[:300]} (is it from another model or "
+    except (Exception, CheckpointException) as err:  # torch, safetensors and DeepSpeed each raise their own kinds
+        # torch distributed checkpoint's is a BaseException holding each rank's error
+        cause = next(iter(err.failures.values()), (err,))[0] if isinstance(err, CheckpointException) else err
+        raise UserError(f"cannot restore checkpoint {path}: {first_line(cause)[:300]} (is it from another model or "
                         f"label set, or damaged? start a new --out-dir or pass another --resume)") from err
     for key, obj in live.items():
         # sharded FSDP and FSDP2 loads hand back a stateful non-model, non-optimizer (scheduler) as a state_dict
@@ -239,11 +284,9 @@ def load_checkpoint(fabric, path: Path, state: dict, expected_fingerprint: dict 
     rng_file = path / f"rng-rank{fabric.global_rank}.pt"
     if rng_file.exists():  # a rank the writing run did not have keeps its seeded streams
         try:
-            rng = torch.load(rng_file, weights_only=True)
-        except Exception as err:
-            raise UserError(f"cannot restore checkpoint {path}: its {rng_file.name} is damaged "
-                            f"({type(err).__name__}); pass another --resume or start a new --out-dir",
-                            rank=fabric.global_rank) from err
+            rng = load_torch_file(rng_file)
+        except UserError as err:
+            raise UserError(str(err), rank=fabric.global_rank) from err
         set_rng_state(rng)
 
 

@@ -120,6 +120,8 @@ def build_fabric(accelerator=None, devices=None, num_nodes=None, strategy=None, 
             os.environ.pop("LT_STRATEGY", None)
         with warnings.catch_warnings():  # check_precision_supported makes this swap an error, in one line
             warnings.filterwarnings("ignore", message=".*AMP with fp16 is not supported on CPU")
+            # 16 is 16-mixed: the advice to write it so would come before that error, which 16-mixed gets too
+            warnings.filterwarnings("ignore", message=".*is supported for historical reasons")
             fabric = Fabric(**{**settings, "strategy": strategy}, **fabric_kwargs)
     except (ValueError, RuntimeError, TypeError, MisconfigurationException) as err:
         raise UserError(f"cannot launch with {settings}: {str(err).splitlines()[0]}") from err

@@ -51,13 +51,14 @@ class TrainBatchSampler(Sampler[list[int]]):
 
 
 class EvalBatchSampler(Sampler[list[int]]):
-    """Rank r scores rows r, r + W, r + 2W, ... sorted by length; ranks one row short repeat their last row (a rank
-    with none at all, where the split has fewer rows than there are ranks, repeats the first)."""
+    """Rank r scores rows r, r + W, r + 2W, ... sorted by length, in batches of ``batch_size`` rows, all of them: the
+    last is filled by repeating the rank's last row (a rank with none at all, where the split has fewer rows than there
+    are ranks, repeats the first), so every rank runs as many batches, all of one size (``num_real``: the real ones)."""
 
     def __init__(self, lengths, batch_size, num_replicas=1, rank=0):
         mine = sorted(range(rank, len(lengths), num_replicas), key=lambda i: lengths[i], reverse=True)
         self.num_real = len(mine)
-        per_rank = math.ceil(len(lengths) / num_replicas)
+        per_rank = math.ceil(math.ceil(len(lengths) / num_replicas) / batch_size) * batch_size
         self.indices = mine + (mine[-1:] or [0]) * (per_rank - len(mine))
         self.batch_size = batch_size
 
@@ -67,6 +68,19 @@ class EvalBatchSampler(Sampler[list[int]]):
 
     def __len__(self) -> int:
         return math.ceil(len(self.indices) / self.batch_size)
+
+
+def fill_rows(batch: dict, rows: int) -> dict:
+    """``batch`` with ``rows`` rows, a short one's last row repeated: every batch of one length has one shape (compiled
+    graphs, CUDA graphs); the loop leaves the repeats out of the loss (``first_rows``)."""
+    short = rows - len(batch["labels"])
+    if short <= 0:
+        return batch
+    return {name: torch.cat([value, value[-1:].expand(short, *value.shape[1:])]) for name, value in batch.items()}
+
+
+def first_rows(batch: dict, rows: int) -> dict:
+    return {name: value[:rows] for name, value in batch.items()}
 
 
 def make_dataloaders(datasets: dict[str, Dataset], collate: Callable[[list], dict],

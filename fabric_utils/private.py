@@ -14,6 +14,10 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     CheckpointWrapper, apply_activation_checkpointing, checkpoint_wrapper)
 # tensors with shapes and no memory that transformers treats as traced (it skips reading their values): FLOP counting
 from torch._subclasses.fake_tensor import FakeTensorMode
+# torch.compile's own counts: graphs compiled so far, recompiles included (Throughput counts those after warm-up)
+from torch._dynamo.utils import counters as dynamo_counters
+# whether torch.compile ties input sizes that happen to be equal (duck shapes): no public switch
+from torch.fx.experimental import _config as shape_config
 # a loader's worker processes, which a DataLoader has no public way to shut down (stop_workers)
 from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 

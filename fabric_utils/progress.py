@@ -34,6 +34,26 @@ def shows_bars(fabric, quiet: bool, verbose: bool) -> bool:
     return fabric.is_global_zero and not quiet and (verbose or sys.stderr.isatty())
 
 
+def counted(fabric, batches, name: str, every_s: float = 30.0):
+    """Yields ``batches`` (an evaluation's), shown on global rank 0: a bar on a terminal, else a line at most every
+    ``every_s`` seconds with the batches done and the time left, so a long evaluation is never silent in a log."""
+    if not fabric.is_global_zero:
+        yield from batches
+        return
+    if sys.stdout.isatty():
+        yield from tqdm(batches, desc=name, unit="batch", leave=False, dynamic_ncols=True, file=sys.stdout)
+        return
+    total, start = len(batches), time.monotonic()
+    last = start
+    for done, batch in enumerate(batches, start=1):
+        yield batch
+        now = time.monotonic()
+        if now - last >= every_s and done < total:
+            left = datetime.timedelta(seconds=round((now - start) / done * (total - done)))
+            print(f"{name}: {done}/{total} batches, {left} left", flush=True)
+            last = now
+
+
 # a run has not learned if its validation loss ends above 99% of chance level and its training loss has not left
 # it either: above 95%, looser, as a run that stalled still fits its own rows a little
 STUCK_WITHIN = {"validation": 0.99, "train": 0.95}

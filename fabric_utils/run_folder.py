@@ -21,16 +21,26 @@ RUN_DIR_ENV = "FABRIC_TEMPLATE_RUN_DIR"
 LOCK_FILE = ".lock"
 
 
+RUN_FILES = ("config.yaml", "results.json", "checkpoints", "logs")  # what marks a folder as a run's
+KEPT = ("results.json", "checkpoints")  # what a run that failed without them leaves nothing worth keeping beside
+
+
 def prepare_out_dir(out_dir: str | None, resume: str | None) -> tuple[Path, bool]:
     """The run folder this process proposes, and whether a failed start may remove it: ``--out-dir``, made now so a bad
     one fails before any process starts, else ``runs/<time>`` (in the environment, for the processes Fabric starts),
-    made once the job agrees on rank 0's. A folder holding a run takes only ``--resume``: two runs' files would mix."""
+    made once the job agrees on rank 0's. A folder holding a run's results or checkpoints takes only ``--resume``: two
+    runs' files would mix; one holding anything else is refused, as a run writes files there a user's could share
+    names with."""
     if out_dir is None:
         path = Path(os.environ.setdefault(RUN_DIR_ENV, f"runs/{datetime.now():%Y%m%d-%H%M%S}"))
         check_writable(path.parent)
         return path, True
     path = Path(out_dir)
-    if resume is None and any((path / name).exists() for name in ("config.yaml", "results.json", "checkpoints")):
+    held = sorted(p.name for p in path.iterdir() if p.name != LOCK_FILE) if path.is_dir() else []
+    if held and not any(name in RUN_FILES for name in held):
+        raise UserError(f"--out-dir {path} holds files that are not a run's ({', '.join(held[:3])}"
+                        f"{', ...' if len(held) > 3 else ''}); pass a new or empty --out-dir")
+    if resume is None and any((path / name).exists() for name in KEPT):
         raise UserError(f"--out-dir {path} holds a run already; continue it with --resume auto, or pass a new "
                         f"--out-dir")
     created = not path.exists()
@@ -84,8 +94,9 @@ def _lock(path: Path):
 
 
 def remove_if_unused(path: Path) -> None:
-    """Removes a run folder that holds nothing but empty folders and its lock: what a start that failed leaves."""
-    if path.is_dir() and all(p.is_dir() or p.name == LOCK_FILE for p in path.rglob("*")):
+    """Removes a run folder this start made if it holds no checkpoint and no results: what a failed start leaves
+    (its config, logs), which would only stand in the way of the same command run again."""
+    if path.is_dir() and not any((path / name).exists() for name in KEPT):
         shutil.rmtree(path)
 
 
@@ -127,8 +138,9 @@ def save_config(fabric, args, out_dir: Path, environment: dict, resumed_at: int 
 
 
 def write_predictions(path: Path, columns: dict) -> None:
-    """``columns`` (name -> a tensor, a row each) as CSV; a vector (a value per label) as one space-separated cell."""
-    cells = [column.tolist() for column in columns.values()]
+    """``columns`` (name -> a tensor or a list, a row each) as CSV; a vector (a value per label) as one
+    space-separated cell."""
+    cells = [column.tolist() if isinstance(column, torch.Tensor) else column for column in columns.values()]
     with open(path, "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(columns)

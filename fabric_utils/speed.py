@@ -2,12 +2,13 @@
 
 import contextlib
 import copy
+import itertools
 import os
 import resource
 import socket
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +20,8 @@ from fabric_utils.errors import first_line
 from fabric_utils.private import FakeTensorMode
 from fabric_utils.progress import say
 from fabric_utils.sharding import full_shape
+
+from fabric_utils.private import dynamo_counters, shape_config
 
 
 def default_num_workers(fabric) -> int:
@@ -99,8 +102,9 @@ def matrix_weights(model: torch.nn.Module):
 
 
 class Throughput:
-    """Rows, sizes and FLOPs counted on the device, read only at log steps, for ``ThroughputMonitor`` and ``stop()``;
-    the clock leaves out ``paused()`` time (validation, checkpoints), so figures compare across validation settings."""
+    """Rows, sizes and FLOPs counted on the host from batches before they move (no device read), for
+    ``ThroughputMonitor`` and ``stop()``, with torch.compile's recompiles after warm-up; the clock leaves out
+    ``paused()`` time (validation, checkpoints), so figures compare across validation settings."""
 
     def __init__(self, fabric, peak_tflops: float | None, flops_of: Callable[[int, int, int], float] | None,
                  sized: bool):
@@ -108,13 +112,18 @@ class Throughput:
         self.monitor = ThroughputMonitor(fabric, window_size=5)
         if peak_tflops:  # Fabric knows the peak of common GPUs, not of CPUs nor of every GPU (H200)
             self.monitor.available_flops = peak_tflops * 1e12
-        self.counts = torch.zeros(3, dtype=torch.int64, device=fabric.device)  # rows, sizes, sum of sizes²
+        self.counts = torch.zeros(3, dtype=torch.int64)  # rows, sizes, sum of sizes², on the host
         self.flops_logged = 0.0
 
     def start(self, step: int) -> None:
         if self.fabric.device.type == "cuda":  # a CPU process's peak resident memory cannot be reset
             torch.cuda.reset_peak_memory_stats(self.fabric.device)  # not the batch-size finder's or warm-up's peak
         self.start_time, self.start_step, self.paused_s = time.perf_counter(), step, 0.0
+        self.graphs_at_start = dynamo_counters["stats"]["unique_graphs"]
+
+    def recompiles(self) -> int:
+        """Graphs torch.compile built since ``start()`` (after warm-up): each one a stall, and none where shapes repeat."""
+        return dynamo_counters["stats"]["unique_graphs"] - self.graphs_at_start
 
     @contextlib.contextmanager
     def paused(self):
@@ -128,40 +137,61 @@ class Throughput:
         return time.perf_counter() - self.start_time - self.paused_s
 
     def count(self, rows: int, sizes: torch.Tensor | None) -> None:
-        """``rows`` is a Python int (the batch's shape, no sync); ``sizes`` each row's, where the task gives sizes."""
+        """``rows`` is a Python int (the batch's shape); ``sizes`` each row's on the host, where the task gives them."""
         if sizes is None:
             self.counts[0] += rows
         else:
             self.counts += torch.stack((torch.ones_like(sizes).sum(), sizes.sum(), (sizes * sizes).sum()))
 
     def log(self, step: int) -> dict:
-        rows, tokens, tokens_sq = self.counts.tolist()  # sync: log steps only
+        rows, tokens, tokens_sq = self.counts.tolist()  # host sums: no device read
         flops = self.flops_of(rows, tokens, tokens_sq) if self.flops_of else None
         self.monitor.update(time=self.seconds(), batches=step - self.start_step, samples=rows,
                             lengths=tokens if self.sized else None,  # it takes FLOPs since its last update
                             flops=None if flops is None else flops - self.flops_logged)
         self.flops_logged = flops
+        if dynamo_counters["stats"]["unique_graphs"]:  # a compiled model
+            self.fabric.log("compile/recompiles", self.recompiles(), step=step)
         return self.monitor.compute_and_log(step=step)
 
     def stop(self) -> dict:
         """Over all ranks: seconds, rows/s, sizes/s (tokens/s; with sizes only), MFU (None: peak unknown)."""
         seconds, peak = self.seconds(), self.monitor.available_flops
-        rows, tokens, tokens_sq = self.fabric.all_reduce(self.counts.double(), reduce_op="sum").tolist()
+        counts = self.counts.double().to(self.fabric.device)
+        rows, tokens, tokens_sq = self.fabric.all_reduce(counts, reduce_op="sum").tolist()
         # linear in the sums: the job's FLOPs from the job's sums
         flops = self.flops_of(rows, tokens, tokens_sq) if self.flops_of else None
         return {"train_time_s": seconds, "train_samples_per_s": rows / seconds,
                 **({"train_tokens_per_s": tokens / seconds} if self.sized else {}),
-                "mfu": flops / seconds / (peak * self.fabric.world_size) if peak and flops is not None else None}
+                "mfu": flops / seconds / (peak * self.fabric.world_size) if peak and flops is not None else None,
+                "recompiles_after_warm_up": self.recompiles()}
 
 
-def warm_up(fabric, model, optimizer, batch: dict, loss_fn: Callable[[torch.nn.Module, dict], torch.Tensor]) -> None:
-    """Compiles the training and evaluation graphs before the clock starts. The gradients are dropped, so the first
-    step is untouched, by the optimizer's ``zero_grad``: ZeRO-3 keeps them in shards only it clears."""
-    fabric.backward(loss_fn(model, batch))
-    optimizer.zero_grad(set_to_none=True)
+def compile_model(model: torch.nn.Module, mode: str | None = None, **kwargs) -> torch.nn.Module:
+    """torch.compile for batches of a few shapes: dynamic, so one graph takes every length (a graph per length would
+    compile each bucket, past dynamo's cache of 8; reduce-overhead still captures a CUDA graph per shape), with sizes
+    never tied to each other (16 rows of 16 tokens would tie rows to length, and the next batch recompile)."""
+    shape_config.use_duck_shape = False
+    return torch.compile(model, mode=mode, dynamic=True, **kwargs)
+
+
+def batch_kinds(batches: Iterable[dict], look_at: int = 50) -> list[dict]:
+    """One batch of each kind (set of inputs: a text batch with padding carries a mask, one without none, and each
+    takes its own compiled graph) among the first ``look_at`` of ``batches``, the later one of a kind kept."""
+    return list({frozenset(batch): batch for batch in itertools.islice(batches, look_at)}.values())
+
+
+def warm_up(fabric, model, optimizer, batches: list[dict],
+            loss_fn: Callable[[torch.nn.Module, dict], torch.Tensor]) -> None:
+    """Compiles the training and evaluation graphs of each kind of batch (``batch_kinds``) before the clock starts. The gradients are dropped, so the first step is untouched, by the
+    optimizer's ``zero_grad``: ZeRO-3 keeps them in shards only it clears."""
+    for batch in batches:
+        fabric.backward(loss_fn(model, batch))
+        optimizer.zero_grad(set_to_none=True)
     model.eval()
     with torch.no_grad():
-        loss_fn(model, batch)
+        for batch in batches:
+            loss_fn(model, batch)
     model.train()
 
 

@@ -65,7 +65,8 @@ class TaskSpec:
     # optional: each comment ends with the loop's fallback where it has one
     # each row's size per split (tokens): training groups similar sizes, evaluation sorts; None: plain shuffles
     sizes: dict[str, Sequence[int]] | None = None
-    row_sizes: Callable[[dict], torch.Tensor] | None = None  # a batch's real tokens per row; None: no tokens/s
+    # a batch's real tokens per row, from the batch on the host (before it moves: no device read); None: no tokens/s
+    row_sizes: Callable[[dict], torch.Tensor] | None = None
     max_size: int | None = None  # the largest row size (tokens): FLOPs are fitted up to it; None: rows have one size
     blocks: tuple[type, ...] = ()  # repeated blocks, sharded and recomputed one by one; (): the model's ModuleLists
     # build_model's architecture alone, fp32, same names, no value read or drawn; None: each rank builds build_model()
@@ -78,3 +79,5 @@ class TaskSpec:
     # loaders); None: --lr has a default in the task's flags
     default_lr: Callable[[int], float] | None = None
     chosen: dict = field(default_factory=dict)  # flag -> value the task chose (what auto detected)
+    # every test row's objective.predict columns -> test_predictions.csv's (label names beside ids); None: as they are
+    prediction_table: Callable[[dict], dict] | None = None

@@ -5,13 +5,40 @@
 # torch: requirements-torch.txt's, PyPI's CUDA build (TORCH_BUILD=cuda, the default) or the PyTorch CPU index's
 # (TORCH_BUILD=cpu: a small folder for a cluster that has its own torch, which setup.sh keeps; pip still needs one
 # to resolve the packages that depend on it).
+# Every wheel's SHA-256 goes into DIR/requirements-hashes.txt, which setup.sh checks each wheel it installs against:
+# a wheel changed after this (a disk, a copy, a hand) stops the offline install. `--hashes DIR` records them again
+# for a folder whose wheels were added by hand.
 # Usage: [TORCH_BUILD=cuda|cpu] bash scripts/wheelhouse.sh DIR [--python-version 3.11] [--platform TAG]...
 #        [extra requirement files, e.g. requirements-bench.txt]
+#        bash scripts/wheelhouse.sh --hashes DIR
 #        --python-version and --platform name the target machine where it differs from this one: its Python's X.Y,
 #        and manylinux_2_N_ARCH for glibc 2.N (its `ldd --version`) on ARCH (`uname -m`), e.g. manylinux_2_28_x86_64.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# DIR/requirements-hashes.txt: each wheel as name==version with its SHA-256, as pip's --require-hashes reads them
+record_hashes() {
+  python3 - "$1" <<'EOF'
+import hashlib, pathlib, sys
+from collections import defaultdict
+folder, pins = pathlib.Path(sys.argv[1]), defaultdict(list)
+for wheel in sorted(folder.glob("*.whl")):
+    name, version = wheel.name.split("-")[:2]
+    digest = hashlib.sha256()
+    with open(wheel, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    pins[f"{name}=={version}"].append(digest.hexdigest())
+(folder / "requirements-hashes.txt").write_text("".join(
+    f"{pin} " + " ".join(f"--hash=sha256:{digest}" for digest in digests) + "\n" for pin, digests in pins.items()))
+EOF
+}
+
+if [ "${1:-}" = --hashes ]; then
+  [ $# -eq 2 ] && [ -d "$2" ] || { echo "--hashes needs the wheelhouse folder: bash scripts/wheelhouse.sh --hashes DIR" >&2; exit 2; }
+  record_hashes "$2"
+  exit 0
+fi
 if [ $# -lt 1 ] || [[ $1 == -* ]]; then
   echo "usage: bash scripts/wheelhouse.sh DIR [--python-version X.Y] [--platform TAG]... [requirement files]" >&2
   exit 2
@@ -56,4 +83,5 @@ if [ "${TORCH_BUILD:-cuda}" = cpu ]; then
 fi
 # the rest from PyPI; requirements-torch.txt pins the torch pip resolves the others against (already here for cpu)
 "${download[@]}" -c requirements-torch.txt -r requirements-dev.txt "${extras[@]}"
+record_hashes "$dir"
 echo "$(ls "$dir" | wc -l) wheels in $dir: on the offline machine, bash scripts/setup.sh --wheelhouse DIR"

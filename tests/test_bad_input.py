@@ -23,6 +23,7 @@ import torch
 
 from conftest import REPO, fabric_cli, subprocess_env
 from data.demo import make_review, prepare_demo
+from fabric_utils.checkpoint import write_manifest
 
 ROOT = REPO
 DEMO = Path.home() / ".cache" / "fabric-template" / "demo"
@@ -31,7 +32,8 @@ QUICK = ["--accelerator", "cpu", "--precision", "32-true", "--num-workers", "0",
          "--batch-size", "8", "--quiet"]
 
 HARNESS = r"""
-import json, os, runpy, sys, time, traceback
+import json, os, runpy, shutil, sys, time, traceback
+from pathlib import Path
 cases = json.loads(open(sys.argv[1]).read())
 import train  # noqa: F401  every import of train.py, once
 import datasets.packaged_modules.csv, datasets.packaged_modules.parquet  # noqa: F401
@@ -46,8 +48,13 @@ BertForSequenceClassification(BertConfig(vocab_size=len(tokenizer), hidden_size=
                                          num_attention_heads=2, intermediate_size=64, num_labels=2)
                               ).save_pretrained(sys.argv[3])
 tokenizer.save_pretrained(sys.argv[3])
+from fabric_utils.checkpoint import write_manifest
 results = {}
 for case in cases:
+    for source, dest in case.get("copy", []):  # a checkpoint made from what the cases before it wrote
+        shutil.copy(source, dest)
+    if "manifest" in case:
+        write_manifest(Path(case["manifest"]))
     out, err = case["log"] + ".out", case["log"] + ".err"
     sys.stdout.flush(); sys.stderr.flush()
     start = time.monotonic()
@@ -134,16 +141,22 @@ def build_cases(tmp: Path) -> tuple[list, dict]:
     good_out = tmp / "good_run"
     good_ckpt = good_out / "checkpoints" / "step-000002"
     # the good run's checkpoint (its record, so the resume gets as far as loading) with damage its manifest cannot
-    # see: a state file of random bytes, a damaged RNG file
+    # see (rewritten since, as a hand can): a state file of random bytes, a damaged RNG file
     corrupt, bad_rng = tmp / "corrupt" / "step-000002", tmp / "bad_rng" / "step-000002"
     for damaged in (corrupt, bad_rng):
         damaged.mkdir(parents=True)
-        (damaged / "record.json").symlink_to(good_ckpt / "record.json")
         (damaged / "rng-rank0.pt").write_bytes(b"garbage")
     (corrupt / "state").write_bytes(random.Random(2).randbytes(4096))  # bytes that unpickle to an IndexError
-    (bad_rng / "state").symlink_to(good_ckpt / "state")
-    (corrupt / "manifest.json").write_text(json.dumps({"state": 4096, "rng-rank0.pt": 7}))
-    (bad_rng / "manifest.json").write_text(json.dumps({"rng-rank0.pt": 7}))
+    (corrupt / "record.json").write_text("{}")
+    write_manifest(corrupt)
+    prepare = {"corrupt_rng_file": {"copy": [[str(good_ckpt / name), str(bad_rng / name)]
+                                             for name in ("state", "record.json")], "manifest": str(bad_rng)}}
+
+    user_files = tmp / "user_files"  # what a user keeps where a run could write the same names
+    (user_files / "model").mkdir(parents=True)
+    (user_files / "notes.txt").write_text("mine\n")
+    (user_files / "loss.png").write_bytes(b"my plot")
+    (user_files / "model" / "config.json").write_text('{"mine": true}\n')
 
     bad_config, not_yaml = tmp / "bad.yaml", tmp / "not.yaml"
     bad_config.write_text("lr: -1.0\n")  # a value the flag's own check refuses
@@ -159,6 +172,8 @@ def build_cases(tmp: Path) -> tuple[list, dict]:
         ("unknown_accelerator", [*data, "--accelerator", "quantum"], 2, "argument --accelerator: invalid choice",
          False),
         ("16_mixed_on_cpu", [*data, "--precision", "16-mixed"], 2, "16-mixed", False),
+        # Lightning's advice to write 16 as 16-mixed, which fails the same way, must not come first
+        ("precision_16_on_cpu", [*data, "--precision", "16"], 2, "error: --precision 16 needs a CUDA GPU", False),
         ("batch_size_zero", [*data, "--batch-size", "0"], 2, "argument --batch-size: must be a positive integer",
          False),
         ("batch_size_negative", [*data, "--batch-size", "-4"], 2, "argument --batch-size", False),
@@ -189,7 +204,7 @@ def build_cases(tmp: Path) -> tuple[list, dict]:
          "does not exist (pass a hub id or an existing folder to --model)", False),
         ("resume_missing", [*data, "--resume", str(tmp / "no_checkpoint")], 2, "is not a checkpoint folder", False),
         ("corrupt_checkpoint", [*data, *resume, "--resume", str(corrupt)], 2,
-         f"cannot restore checkpoint {corrupt}: its state file is damaged or was not written by train.py", False),
+         f"cannot restore checkpoint {corrupt}: its state is damaged or was not written by train.py", False),
         ("corrupt_rng_file", [*data, *resume, "--resume", str(bad_rng)], 2,
          f"cannot restore checkpoint {bad_rng}: its rng-rank0.pt is damaged", False),
         ("checkpoint_other_labels", ["--model", MODEL, "--dataset", str(other_labels), *QUICK, *resume,
@@ -207,6 +222,13 @@ def build_cases(tmp: Path) -> tuple[list, dict]:
          "--devices 64: 64 CPU processes on", False),
         ("out_dir_holds_a_run", [*data], 2, "holds a run already; continue it with --resume auto, or pass a new "
          "--out-dir", False),
+        ("out_dir_holds_user_files", [*data, "--out-dir", str(user_files)], 2,
+         f"--out-dir {user_files} holds files that are not a run's (loss.png, model, notes.txt); pass a new or empty "
+         f"--out-dir", False),
+        ("resume_into_user_files", [*data, "--resume", "auto", "--out-dir", str(user_files)], 2,
+         f"--out-dir {user_files} holds files that are not a run's", False),
+        ("diverges_before_its_first_checkpoint", [*data, "--lr", "1e6", "--grad-clip", "0", "--log-every", "1"], 2,
+         "the training loss became", False),
         ("val_size_beyond_what_is_carved", ["--model", MODEL, *QUICK, "--dataset", str(tmp / "small.csv"),
                                             "--val-size", "5000"], 2,
          "--val-size 5000: the dataset has no validation split, and a fifth of its 50 training rows, 10, is the most "
@@ -215,6 +237,8 @@ def build_cases(tmp: Path) -> tuple[list, dict]:
          "--test-size 50: the test split has 8 rows; pass 8 or less", False),
         ("deepspeed_on_cpu", [*data, "--devices", "2", "--strategy", "deepspeed_stage_2"], 2,
          "--strategy deepspeed_stage_2 needs CUDA GPUs (DeepSpeed); on a CPU use --strategy ddp, fsdp2 or auto", False),
+        # not a mistake that stops the run: said in one line, and the run goes on with what a batch can hold
+        ("batch_size_beyond_the_split", [*data, "--batch-size", "100", "--max-steps", "1"], 0, None, False),
     ]
     built = []
     for case_id, args, rc, message, real in cases:
@@ -226,7 +250,7 @@ def build_cases(tmp: Path) -> tuple[list, dict]:
                 (out / "results.json").write_text(json.dumps({"test_acc": 0.875, "case": case_id}, indent=2))
                 (out / "model" / "config.json").write_text("{}\n")
         built.append({"id": case_id, "args": args, "rc": rc, "message": message, "real": real,
-                      "log": str(tmp / "logs" / case_id)})
+                      "log": str(tmp / "logs" / case_id), **prepare.get(case_id, {})})
     (tmp / "logs").mkdir()
     return built, {"good_ckpt": good_ckpt, "other_model": str(other_model)}
 
@@ -260,13 +284,15 @@ CASE_IDS = ["unknown_strategy", "unknown_precision", "unknown_accelerator", "16_
             "more_labels_than_the_model", "model_missing", "resume_missing", "corrupt_checkpoint", "corrupt_rng_file",
             "checkpoint_other_labels", "checkpoint_other_model", "out_dir_under_a_file", "config_value_checked",
             "config_not_yaml", "devices_beyond_the_cores", "out_dir_holds_a_run", "val_size_beyond_what_is_carved",
-            "test_size_beyond_the_split", "deepspeed_on_cpu"]
+            "test_size_beyond_the_split", "deepspeed_on_cpu", "out_dir_holds_user_files", "resume_into_user_files",
+            "diverges_before_its_first_checkpoint",
+            "precision_16_on_cpu"]
 
 
 def test_the_good_run_works(outcomes):
     """Sanity check of the harness and of the checkpoint the label-set and model cases resume."""
     cases, results, _, facts = outcomes
-    assert set(cases) == {"good_run", *CASE_IDS}  # a case built but not listed would never be checked
+    assert set(cases) == {"good_run", "batch_size_beyond_the_split", *CASE_IDS}  # each built case is checked
     result = results["good_run"]
     assert result["rc"] == 0, result["stderr"][-5000:]
     assert (facts["good_ckpt"] / "state").is_file()
@@ -295,6 +321,30 @@ def test_bad_input_fails_with_one_error_line_and_touches_nothing(outcomes, case_
         assert not out_dir.exists(), sorted(out_dir.rglob("*"))
     if case_id.startswith("checkpoint_"):
         assert (facts["good_ckpt"] / "state").is_file()
+
+
+def test_a_batch_size_beyond_the_training_rows_is_said_and_what_is_used_recorded(outcomes):
+    cases, results, _, _ = outcomes
+    result = results["batch_size_beyond_the_split"]
+    assert result["rc"] == 0 and not result["stderr"], result["stderr"][-3000:]
+    assert "--batch-size 100 is more than the 40 training rows per device: using 40" in result["stdout"].splitlines()
+    args = cases["batch_size_beyond_the_split"]["args"]
+    run_dir = Path(args[args.index("--out-dir") + 1])
+    assert json.loads((run_dir / "results.json").read_text())["config"]["batch_size"] == 40
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--text-colum", "review"], "unknown flag --text-colum (did you mean --text-column?)"),  # not a prefix match
+    (["--lable-column=stars", "--epoch", "2"], "unknown flags --lable-column (did you mean --label-column?), --epoch "
+                                               "(did you mean --epochs?)"),
+    (["--zzz"], "unknown flag --zzz"),
+], ids=["prefix", "misspelt", "nothing_close"])
+def test_an_unknown_flag_is_one_line_naming_the_closest(tmp_path, flags, message):
+    out = tmp_path / "run"
+    done = subprocess.run([sys.executable, "train.py", "--demo", *flags, "--out-dir", str(out)], cwd=ROOT,
+                          env=subprocess_env(), capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and not done.stdout and not out.exists()
+    assert done.stderr == f"error: {message}; --help lists every flag\n"
 
 
 @pytest.mark.parametrize("flags", [["--help"], ["--warmup", "-0.5"]], ids=["help", "bad_value"])
@@ -357,3 +407,45 @@ def test_a_setting_fabric_run_took_twice_is_said(tmp_path):
                       "came after train.py; give --devices once"], done.stderr[-3000:]
     root_cause = done.stderr.split("Root Cause")[-1]
     assert f"traceback : {errors[0]}" in root_cause, done.stderr[-3000:]
+
+
+@pytest.fixture
+def predict_cases(outcomes, tmp_path):
+    """predict.py's bad input, beside a copy of the good run's folder (its model, its config.yaml)."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "model").symlink_to(outcomes[3]["good_ckpt"].parents[1] / "model")
+    (run_dir / "config.yaml").write_text((outcomes[3]["good_ckpt"].parents[1] / "config.yaml").read_text())
+    (tmp_path / "rows.csv").write_text("text\ngreat film\n")
+    (tmp_path / "blank.csv").write_text("text,id\ngreat film,1\n,2\n   ,3\n")
+    (tmp_path / "struct.jsonl").write_text('{"text": {"title": "great film"}}\n')
+    (tmp_path / "a_file").write_text("mine\n")
+    lacking = tmp_path / "lacking"
+    lacking.mkdir()
+    (lacking / "model").symlink_to(run_dir / "model")
+    (lacking / "config.yaml").write_text("lr: 0.001\n")
+    return run_dir, lacking
+
+
+@pytest.mark.parametrize("case, message", [
+    ("blank", "2 rows of {tmp}/blank.csv have missing or empty text in column 'text', first at lines 3, 4 of "
+              "{tmp}/blank.csv; fill them in or leave them out"),
+    ("struct", "column 'text' holds struct<title: string> values, not text: set --text-column to the column with "
+               "the text"),
+    ("out_in_a_file", "--out {tmp}/a_file/predictions.csv: {tmp}/a_file is not a folder a file can be written "
+                      "into; pass a file path in an existing folder"),
+    ("lacking", "the run's config.yaml lacks max_length, pad_to_multiple_of, text_column, text_pair_column: pass "
+                "the folder of a run train.py wrote")])
+def test_predict_bad_input_is_one_line_and_writes_nothing(predict_cases, tmp_path, capsys, case, message):
+    import predict
+
+    run_dir, lacking = predict_cases
+    argv = {"blank": [run_dir, tmp_path / "blank.csv"], "struct": [run_dir, tmp_path / "struct.jsonl"],
+            "out_in_a_file": [run_dir, tmp_path / "rows.csv", "--out", tmp_path / "a_file" / "predictions.csv"],
+            "lacking": [lacking, tmp_path / "rows.csv"]}[case]
+    with pytest.raises(SystemExit) as exit_:
+        predict.main(list(map(str, argv)))
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [f"error: {message.format(tmp=tmp_path)}"]
+    assert not (run_dir / "predictions.csv").exists() and not (lacking / "predictions.csv").exists()
+    assert (tmp_path / "a_file").read_text() == "mine\n"

@@ -103,6 +103,23 @@ def test_columns_that_cannot_train_a_model(tmp_path, data, message):
     assert error_of(path) == message
 
 
+def test_labels_mixing_class_ids_and_names_are_refused_naming_both(tmp_path):
+    """A CSV of 0/1 and pos/neg reads as strings: it used to train as four classes, with exit 0."""
+    path = tmp_path / "r.csv"
+    frame(["0", "1", "pos", "neg"] * 5).to_csv(path, index=False)
+    assert error_of(path) == (
+        "column 'label' of the train split mixes integer class ids (0, 1) with class names (neg, pos), which would "
+        "train as 4 classes; give every row the same kind of label")
+
+
+def test_a_file_that_is_not_utf8_says_how_to_resave_it(tmp_path):
+    path = tmp_path / "r.csv"
+    path.write_bytes("text,label\n".encode() + "".join(f"caf\u00e9 {i},{i % 2}\n" for i in range(20)).encode("latin-1"))
+    assert error_of(path) == (
+        f"dataset files ['{path}'] are not UTF-8 text (byte e9 is not UTF-8): re-save them as UTF-8, e.g. iconv -f "
+        f"cp1252 -t utf-8 FILE > NEW (cp1252 or latin1: what wrote it)")
+
+
 def test_drop_invalid_counts_each_dropped_row_once_per_split(tmp_path):
     train = frame(["neg", "pos"] * 10)
     train.loc[[2, 5], "text"] = ["", None]

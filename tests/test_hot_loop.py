@@ -10,14 +10,18 @@ import sys
 import textwrap
 import traceback
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from torch.overrides import TorchFunctionMode
+from transformers import AutoConfig, AutoModelForSequenceClassification, DataCollatorWithPadding
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
 import train
 from conftest import REPO, SMALL_DEMO, logged, run, train as train_run
 from data.tokenize import make_collator
+from task import ClassifierObjective
 
 # Tensor methods that read a value back to the host: on a GPU each one waits for every queued kernel
 HOST_READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__float__,
@@ -26,10 +30,7 @@ HOST_READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, tor
 ALLOWED = {"log_step", "agreed", "validate", "evaluate", "save_checkpoint"}
 # work on host tensors, which on a CPU look like everything else: the DataLoader building the next batch before
 # Fabric moves it, and optimizers reading their step counters (CPU tensors unless capturable)
-HOST_SIDE = {("dataloader.py", "_next_data"), ("dataloader.py", "__iter__"), ("optimizer.py", "_get_value"),
-             # transformers' SDPA path checks whether a batch has padding at all, to drop the mask and let the fused
-             # kernel run: one sync per forward that the template cannot avoid without another attention kernel
-             ("masking_utils.py", "_ignore_bidirectional_mask_sdpa")}
+HOST_SIDE = {("dataloader.py", "_next_data"), ("dataloader.py", "__iter__"), ("optimizer.py", "_get_value")}
 
 
 def _training_loop_lines(function) -> tuple[int, int]:
@@ -76,8 +77,8 @@ def _names_device(args, kwargs) -> bool:
 
 def test_no_host_device_sync_between_log_steps(tmp_path, monkeypatch):
     """Six steps logged every third: any value read back or blocking copy in the loop outside the log step, the
-    preemption vote, validation or checkpointing is a GPU stall per step (torch.cuda.set_sync_debug_mode shows the
-    same on a GPU)."""
+    preemption vote, validation or checkpointing, transformers' forward and backward included, is a GPU stall per
+    step (torch.cuda.set_sync_debug_mode shows the same on a GPU)."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
     recorder = SyncRecorder()
@@ -89,6 +90,55 @@ def test_no_host_device_sync_between_log_steps(tmp_path, monkeypatch):
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
     assert not recorder.found, "\n".join(recorder.found[:10])
+
+
+class HostReads(TorchFunctionMode):
+    """Every value read back to the host, wherever it is made."""
+
+    def __init__(self):
+        super().__init__()
+        self.found = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in HOST_READS:
+            self.found.append(" <- ".join(f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno}"
+                                          for f in reversed(traceback.extract_stack()[-6:-1])))
+        return func(*args, **(kwargs or {}))
+
+
+SMALL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
+FAMILIES = {"bert": SMALL, "roberta": SMALL, "distilbert": dict(dim=32, n_layers=2, n_heads=2, hidden_dim=64),
+            # a sliding window shorter than the rows: its layers' masks are built apart from the global ones
+            "modernbert": {**SMALL, "local_attention": 8, "global_attn_every_n_layers": 2},
+            "gpt2": dict(n_embd=32, n_layer=2, n_head=2), "llama": {**SMALL, "num_key_value_heads": 1},
+            "qwen2": {**SMALL, "num_key_value_heads": 1}}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_attention_masks_are_decided_on_the_host_at_equal_logits(family, demo_tokenizer, monkeypatch):
+    """A batch without padding reaches the model with no mask (SDPA may take its fused kernel), one with padding
+    with a mask transformers applies unchecked: no value is read back in the forward, encoders and decoders, and the
+    logits are those of transformers' own path, which checks every mask."""
+    tokenizer = demo_tokenizer
+    config = AutoConfig.for_model(family, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, num_labels=3,
+                                  bos_token_id=None, eos_token_id=None, cls_token_id=None, sep_token_id=None,
+                                  **FAMILIES[family])
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_config(config).eval()
+    objective = ClassifierObjective("single_label", num_labels=3)  # applies the given masks unchecked
+    ours, theirs = make_collator(tokenizer, False, 64, 8), DataCollatorWithPadding(tokenizer, pad_to_multiple_of=8)
+    for lengths in ([5, 13, 20], [16, 16]):
+        rows = [{"input_ids": torch.randint(5, len(tokenizer), (n,)), "attention_mask": torch.ones(n, dtype=torch.long),
+                 "labels": torch.tensor(0)} for n in lengths]
+        batch, reads = ours(rows), HostReads()
+        assert ("attention_mask" in batch) == (len(set(lengths)) > 1)
+        with reads, torch.no_grad():
+            logits = objective.forward(model, batch)
+        assert not reads.found, reads.found
+        with monkeypatch.context() as stock, torch.no_grad():
+            stock.setattr(ALL_MASK_ATTENTION_FUNCTIONS, "_local_mapping", {})
+            expected = model(**{k: v for k, v in theirs(rows).items() if k != "labels"}).logits
+        torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_batches_are_plain_dicts_that_fabric_copies_without_blocking(demo_tokenizer, monkeypatch):

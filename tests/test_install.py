@@ -7,6 +7,7 @@ import re
 import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -135,21 +136,46 @@ def test_setup_picks_the_torch_build_where_there_is_none(tmp_path, torch_build, 
     assert commands[-2].endswith("-r requirements-bench.txt")  # the extras still follow
 
 
+def test_setup_says_what_it_installs_as_it_goes(tmp_path):
+    result = dry_setup(scripts_only(tmp_path), "requirements-bench.txt", TORCH_BUILD="cpu")
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.splitlines() == [
+        "setup: creating .venv with python3",
+        f"setup: installing torch=={TORCH_PIN}, the cpu build (a minute or more: a large wheel)",
+        "setup: installing requirements-dev.txt: Lightning, transformers, datasets, DeepSpeed, peft and the rest, and "
+        "pytest",
+        "setup: installing requirements-bench.txt"]
+
+
 def test_setup_refuses_an_unknown_torch_build(tmp_path):
     result = dry_setup(scripts_only(tmp_path), TORCH_BUILD="rocm")
     assert result.returncode == 2 and result.stderr.strip() == "TORCH_BUILD must be cuda, cpu or auto, not 'rocm'"
 
 
 def test_setup_from_a_wheelhouse_asks_no_index(tmp_path):
+    """pip resolves torch and every requirement file from the wheelhouse alone, then installs exactly that with
+    --require-hashes."""
     repo = scripts_only(tmp_path)
     (tmp_path / "wheels").mkdir()
+    (tmp_path / "wheels" / "requirements-hashes.txt").write_text("")
     commands = dry_setup(repo, "--wheelhouse", str(tmp_path / "wheels"), "requirements-bench.txt").stdout.splitlines()
     installs = [line for line in commands if " pip install " in line]
-    assert len(installs) == 3 and f"torch=={TORCH_PIN}" in installs[0]  # torch, the rest, the extra file
+    assert len(installs) == 2 and " --dry-run --report " in installs[0]
+    assert installs[0].endswith(f" torch=={TORCH_PIN} -r requirements-dev.txt -r requirements-bench.txt")
+    assert " --require-hashes --no-deps -r " in installs[1]
     assert all(f"--no-index --find-links {tmp_path / 'wheels'}" in line for line in installs)
     assert not [line for line in installs if "download.pytorch.org" in line]
-    assert dry_setup(repo, WHEELHOUSE=str(tmp_path / "wheels")).stdout.splitlines() == [
-        line for line in commands if "requirements-bench.txt" not in line]
+    from_env = dry_setup(repo, WHEELHOUSE=str(tmp_path / "wheels")).stdout.splitlines()
+    assert next(line for line in from_env if " --dry-run " in line).endswith(
+        f" torch=={TORCH_PIN} -r requirements-dev.txt")
+
+
+def test_a_wheelhouse_without_recorded_hashes_is_refused(tmp_path):
+    (tmp_path / "wheels").mkdir()
+    result = dry_setup(scripts_only(tmp_path), "--wheelhouse", str(tmp_path / "wheels"))
+    assert result.returncode == 2 and result.stderr.splitlines() == [
+        f"the wheelhouse '{tmp_path / 'wheels'}' records no SHA-256 of its wheels (requirements-hashes.txt): fill it "
+        f"with scripts/wheelhouse.sh DIR"]
 
 
 @pytest.mark.parametrize(("script", "args", "message"), [
@@ -173,3 +199,50 @@ def test_the_install_page_states_the_range_and_the_torch_setup_installs():
     page = (REPO / "docs" / "install.md").read_text()
     assert f"`{TORCH_RANGE}`" in page and f"within {TORCH_RANGE}`" in page
     assert f"`requirements-torch.txt`'s ({TORCH_PIN}, the version CI tests)" in page
+
+
+def write_wheel(folder: Path, name: str, requires=()) -> Path:
+    """A pure-Python wheel of package ``name`` 1.0, made by hand: what pip needs of one."""
+    dist = f"{name}-1.0.dist-info"
+    files = {f"{name}/__init__.py": "",
+             f"{dist}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n"
+                                 + "".join(f"Requires-Dist: {r}\n" for r in requires),
+             f"{dist}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    files[f"{dist}/RECORD"] = "".join(f"{path},,\n" for path in [*files, f"{dist}/RECORD"])
+    path = folder / f"{name}-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as wheel:
+        for member, text in files.items():
+            wheel.writestr(member, text)
+    return path
+
+
+def test_an_offline_install_checks_each_wheel_against_the_hash_the_wheelhouse_recorded(tmp_path):
+    """scripts/wheelhouse.sh records every wheel's SHA-256; setup.sh installs what pip resolves with
+    --require-hashes, and a wheel changed since stops it with one line, before anything is installed."""
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    write_wheel(wheels, "fabtpl_app", requires=["fabtpl_dep"])
+    dep = write_wheel(wheels, "fabtpl_dep")
+    bash(["scripts/wheelhouse.sh", "--hashes", str(wheels)], cwd=REPO, env=os.environ)
+    assert sorted(line.split()[0] for line in (wheels / "requirements-hashes.txt").read_text().splitlines()) == [
+        "fabtpl_app==1.0", "fabtpl_dep==1.0"]
+    recorded = dep.read_bytes()
+    with zipfile.ZipFile(dep, "a") as wheel:  # changed since: one more file in it
+        wheel.writestr("fabtpl_dep/planted.py", "import os\n")
+
+    repo = scripts_only(tmp_path)
+    (repo / "requirements-dev.txt").write_text("fabtpl_app\n")
+    python_with_torch(repo / ".venv", "2.9.1")  # kept: only the wheelhouse's own packages are installed
+    installed = repo / ".venv" / "bin" / "python"
+    setup = bash(["scripts/setup.sh", "--wheelhouse", str(wheels)], cwd=repo, env=offline_pip_env(), check=False)
+    assert setup.returncode == 2 and setup.stderr.splitlines() == [
+        f"{dep} is not the wheel scripts/wheelhouse.sh recorded (its SHA-256 differs): it changed since; fill the "
+        f"wheelhouse again from a source you trust"], setup.stderr
+    listed = subprocess.run([str(installed), "-m", "pip", "list"], capture_output=True, text=True).stdout
+    assert "fabtpl" not in listed
+
+    dep.write_bytes(recorded)
+    setup = bash(["scripts/setup.sh", "--wheelhouse", str(wheels)], cwd=repo, env=offline_pip_env(), check=False)
+    assert "SHA-256" not in setup.stderr, setup.stderr
+    listed = subprocess.run([str(installed), "-m", "pip", "list"], capture_output=True, text=True).stdout
+    assert "fabtpl_app" in listed and "fabtpl_dep" in listed

@@ -2,6 +2,7 @@
 best model picked by the right metric, and an exported config that makes from_pretrained predict the right way."""
 
 import json
+import math
 import random
 import subprocess
 import sys
@@ -11,6 +12,7 @@ import pytest
 
 from conftest import REPO, logged, subprocess_env, train
 from data.demo import NEGATIVE, POSITIVE, make_review, prepare_demo
+from fabric_utils.errors import UserError
 
 FAST = ["--accelerator", "cpu", "--precision", "32-true", "--num-workers", "0", "--max-length", "64", "--epochs", "2",
         "--lr", "3e-3", "--quiet", "--val-size", "100", "--test-size", "100"]
@@ -107,3 +109,52 @@ def test_chance_loss_is_what_the_best_constant_output_on_the_training_labels_sco
     nudged = output + 0.05 * torch.linspace(1, -1, output.numel()).reshape(output.shape)  # another constant: worse
     assert objective.loss(nudged.expand(len(train_labels), *output.shape), {"labels": train_labels}).item() > \
         objective.chance_loss(train_labels, fitted_on=train_labels)
+
+
+def test_the_predictions_files_name_each_label_and_score_each_class():
+    """test_predictions.csv and predict.py's predictions.csv: the label's name beside its id, a probability per class."""
+    import torch
+
+    from task import ClassifierObjective
+
+    single = ClassifierObjective("single_label", 3, label_names=["business", "sport", "tech"])
+    logits = torch.tensor([[0.0, 2.0, 0.0], [3.0, 0.0, 1.0]])
+    columns = {"row": torch.arange(2), **single.predict(logits, {"labels": torch.tensor([1, 2])})}
+    table = single.table(columns)
+    assert list(table)[:6] == ["row", "label", "label_name", "predicted", "predicted_name", "score"]
+    assert table["label_name"] == ["sport", "tech"] and table["predicted_name"] == ["sport", "business"]
+    probabilities = logits.softmax(dim=-1)
+    assert table["score_tech"] == pytest.approx(probabilities[:, 2].tolist())
+    assert table["score"] == pytest.approx(probabilities.max(dim=-1).values.tolist())
+
+    multi = ClassifierObjective("multi_label", 3, label_names=["complaint", "plot", "praise"])
+    table = multi.table(multi.predict(torch.tensor([[2.0, -2.0, 3.0]]), {"labels": torch.tensor([[1.0, 1.0, 0.0]])}))
+    assert table["label_name"] == ["complaint,plot"] and table["predicted_name"] == ["complaint,praise"]
+    assert table["score_plot"] == pytest.approx([torch.tensor(-2.0).sigmoid().item()])
+
+    regression = ClassifierObjective("regression", 1, label_names=["label"])
+    table = regression.table(regression.predict(torch.tensor([0.5]), {"labels": torch.tensor([0.25])}))
+    assert table == {"label": [0.25], "predicted": [0.5]}  # a value has no name
+
+
+def test_balanced_class_weights_count_each_class_as_much_and_chance_moves_with_them():
+    import torch
+
+    from task import ClassifierObjective, TaskData, class_weights
+
+    labels = [0] * 6 + [1] * 2  # 3:1
+    data = TaskData({"train": {"labels": labels}}, ["common", "rare"], "single_label", None, None, [])
+    weights = class_weights("balanced", data)
+    assert weights == pytest.approx((8 / (2 * 6), 8 / (2 * 2))) and data.notes == [
+        "--class-weights balanced: common 0.667, rare 2"]
+    assert class_weights("none", data) is None
+    weighted = ClassifierObjective("single_label", 2, class_weights=weights)
+    logits, batch = torch.tensor([[2.0, 0.0], [0.0, 1.0]]), {"labels": torch.tensor([0, 1])}
+    per_row = torch.nn.functional.cross_entropy(logits, batch["labels"], reduction="none")
+    assert weighted.loss(logits, batch).item() == pytest.approx(
+        ((per_row * torch.tensor([2 / 3, 2.0])).sum() / (2 / 3 + 2.0)).item())
+    # the best constant output under the weights: the classes' shares times their weights (here even), log 2
+    assert weighted.chance_loss(torch.tensor(labels), fitted_on=torch.tensor(labels)) == pytest.approx(math.log(2))
+    multi = TaskData({"train": {"labels": [[1, 0]]}}, ["a", "b"], "multi_label", None, None, [])
+    with pytest.raises(UserError, match="--class-weights balanced is for single_label tasks; this one is multi_label"):
+        class_weights("balanced", multi)

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from conftest import Job, kill_all, logged, resumed_step, subprocess_env, when_saved
+from fabric_utils.checkpoint import write_manifest
 
 EXIT_PREEMPTED = 75
 STEPS_PER_EPOCH = 50  # 800 rows / 16 per batch
@@ -40,12 +41,15 @@ def plant_damaged_checkpoints(ckpt_dir: Path) -> None:
     no_rng = ckpt_dir / "step-000098"  # its RNG file lost since it was written
     no_rng.mkdir()
     (no_rng / "state").write_bytes(b"garbage")
-    (no_rng / "manifest.json").write_text(json.dumps({"state": 7, "rng-rank0.pt": 7}))
+    (no_rng / "rng-rank0.pt").write_bytes(b"garbage")
+    write_manifest(no_rng)
+    (no_rng / "rng-rank0.pt").unlink()
     empty_state = ckpt_dir / "step-000097"  # its state file emptied since
     empty_state.mkdir()
-    (empty_state / "state").write_bytes(b"")
+    (empty_state / "state").write_bytes(b"garbage")
     (empty_state / "rng-rank0.pt").write_bytes(b"garbage")
-    (empty_state / "manifest.json").write_text(json.dumps({"state": 7, "rng-rank0.pt": 7}))
+    write_manifest(empty_state)
+    (empty_state / "state").write_bytes(b"")
     (ckpt_dir / "step-000096").mkdir()  # an empty folder
 
 
@@ -67,7 +71,7 @@ def runs(tmp_path_factory):
             "termed_rc": termed.wait(), "termed_output": termed.output(), "termed_steps": step_dirs(root / "termed")}
 
     plant_damaged_checkpoints(root / "killed" / "checkpoints")
-    jobs["killed_resume"] = Job(root / "killed", *TINY, "--resume", "auto")
+    jobs["killed_resume"] = Job(root / "killed", "--resume", "auto")  # the rest from the folder's config.yaml
     jobs["termed_resume"] = Job(root / "termed", *TINY, "--resume", "auto")
     yield jobs, info
     kill_all(jobs)
@@ -86,6 +90,21 @@ def test_sigkill_mid_epoch_then_resume_auto_matches_uninterrupted(runs):
         assert resumed[key] == pytest.approx(full[key], abs=1e-4), key
     # the whole run's logged losses, which the stuck-at-chance check reads at the end, not only the resumed part
     assert logged_losses(jobs["killed_resume"]) == pytest.approx(logged_losses(jobs["full"]), abs=1e-4)
+
+
+def test_a_resume_from_the_folder_refuses_a_flag_that_changes_the_run(runs):
+    """The resume above was given only --out-dir and --resume auto; a flag given now that the run did not have is
+    refused in one line naming it, and the finished run is left as it was."""
+    jobs, _ = runs
+    jobs["killed_resume"].results()
+    out_dir = jobs["killed_resume"].out_dir
+    before = (out_dir / "results.json").read_bytes()
+    done = subprocess.run([sys.executable, "train.py", "--out-dir", str(out_dir), "--resume", "auto", "--lr", "0.5"],
+                          cwd=Path(__file__).resolve().parents[1], env=subprocess_env(), capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 2 and len(done.stderr.splitlines()) == 1, done.stderr[-3000:]
+    assert "was written with --lr 0.004 (now 0.5)" in done.stderr
+    assert (out_dir / "results.json").read_bytes() == before
 
 
 def logged_losses(job: Job) -> list[float]:
@@ -212,7 +231,7 @@ def test_sigterm_to_the_launcher_of_two_cpu_processes(tmp_path):
 def test_find_resume_checkpoint_trusts_only_complete_folders(tmp_path):
     """The rules behind --resume auto, without a run: newest complete step folder wins; a ``best`` whose
     replacement was interrupted between its two renames is put back."""
-    from fabric_utils.checkpoint import find_resume_checkpoint, step_checkpoints, write_manifest
+    from fabric_utils.checkpoint import find_resume_checkpoint, step_checkpoints
 
     ckpt = tmp_path / "checkpoints"
     for name in ("step-000005", "step-000010", ".old-best"):

@@ -3,6 +3,7 @@
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from fabric_utils.checkpoint import agreed_resume_checkpoint, write_manifest
 from fabric_utils.errors import UserError
@@ -11,15 +12,15 @@ from fabric_utils.errors import UserError
 def write_checkpoint(root, step: int):
     folder = root / f"step-{step:06d}"
     folder.mkdir(parents=True)
-    (folder / "state").write_bytes(b"x")
-    (folder / "rng-rank0.pt").write_bytes(b"x")
+    torch.save({"step": step}, folder / "state")  # rank 0 checks its pickles before any rank loads it
+    torch.save({}, folder / "rng-rank0.pt")
     write_manifest(folder)
     return folder
 
 
 def rank_1(rank_0_picked):
-    """Rank 1 of 2, whose broadcast hands it rank 0's pick."""
-    return SimpleNamespace(is_global_zero=False, global_rank=1, broadcast=lambda obj: rank_0_picked)
+    """Rank 1 of 2, whose broadcast hands it rank 0's pick (and that rank 0 did not refuse it)."""
+    return SimpleNamespace(is_global_zero=False, global_rank=1, broadcast=lambda obj: (rank_0_picked, None))
 
 
 def test_every_rank_resumes_from_rank_0s_pick(tmp_path):

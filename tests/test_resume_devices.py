@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from conftest import Job, kill_all, kill_each_after, resumed_step, run
+from fabric_utils.checkpoint import write_manifest
 
 # 256 rows, 16 per optimizer step: 16 steps per epoch, 32 in all, a checkpoint every 4
 FLAGS = ["--demo", "--accelerator", "cpu", "--precision", "32-true", "--num-workers", "0", "--max-length", "32",
@@ -82,10 +83,12 @@ def test_an_error_on_one_rank_is_one_line_naming_it_and_no_rank_prints_a_traceba
     _, full = runs["full"]
     checkpoint = shutil.copytree(sorted((full.out_dir / "checkpoints").glob("step-*"))[-1], tmp_path / "step")
     rng = checkpoint / "rng-rank1.pt"
-    rng.write_bytes(b"\0" * rng.stat().st_size)  # its size as written: only loading it can tell
+    rng.write_bytes(b"\0" * rng.stat().st_size)
+    write_manifest(checkpoint)  # as a hand can: only loading it can tell
     done = run([sys.executable, "train.py", *FLAGS, *devices(2), "--out-dir", str(tmp_path / "run"), "--resume",
                 str(checkpoint)], timeout=300, check=False)
     assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
     errors = [line for line in done.stderr.splitlines() if line.startswith("error")]
     assert len(errors) == 1 and errors[0].startswith(
-        f"error (rank 1): cannot restore checkpoint {checkpoint}: its rng-rank1.pt is damaged ("), done.stderr[-3000:]
+        f"error (rank 1): cannot restore checkpoint {checkpoint}: its rng-rank1.pt is damaged or was not written by "
+        f"train.py ("), done.stderr[-3000:]

@@ -5,6 +5,7 @@ import json
 import os
 import re
 import signal
+import subprocess
 import sys
 
 import pytest
@@ -12,8 +13,8 @@ import torch
 import yaml
 
 import task
-from conftest import (SMALL_DEMO, Job, build_fabric_from_flags, fabric_cli, kill_all, logged, resumed_step, run,
-                      train)
+from conftest import (REPO, SMALL_DEMO, Job, build_fabric_from_flags, fabric_cli, kill_all, logged, resumed_step, run,
+                      subprocess_env, train)
 from fabric_utils.batch_size import MAX_BATCH, find_batch_size
 from train import parse_args
 
@@ -42,6 +43,10 @@ def test_demo_learns_and_leaves_a_complete_run_folder(tmp_path):
     predictions = read_predictions(tmp_path)
     assert [int(row["row"]) for row in predictions] == list(range(1000))  # every test row once, in order
     assert accuracy(predictions) == pytest.approx(results["test_acc"], abs=1e-6)
+    names = ["negative", "positive"]  # each label by name too, and each class's probability
+    assert all(row["label_name"] == names[int(row["label"])] and row["predicted_name"] == names[int(row["predicted"])]
+               and float(row["score"]) == max(float(row["score_negative"]), float(row["score_positive"]))
+               for row in predictions)
 
     # predict.py on the test file gives the run's own predictions, from the export, without labels
     run([sys.executable, "predict.py", str(tmp_path), str(task.DEMO_ROOT / "data" / "test.parquet")])
@@ -55,6 +60,10 @@ def test_demo_learns_and_leaves_a_complete_run_folder(tmp_path):
     assert done.returncode == 2 and done.stderr.splitlines() == [
         f"error: {tmp_path / 'untitled.csv'} has no column 'text' (its columns: ['review']); the model was trained "
         f"on text"]
+    run([sys.executable, "predict.py", str(tmp_path), str(tmp_path / "untitled.csv"), "--text-column", "review"])
+    with open(tmp_path / "predictions.csv", newline="") as f:
+        [row] = list(csv.DictReader(f))
+    assert row["predicted_name"] in names and {"score_negative", "score_positive"} <= set(row)
 
 
 def read_predictions(out_dir) -> list[dict]:
@@ -70,7 +79,8 @@ def accuracy(predictions: list[dict]) -> float:
 # the line a run stuck at chance gets (a slice this small may not learn)
 OUTPUT_LINE = re.compile(r"(data|training|launch|run) {2,}\S.*|step \d+/\d+ \(epoch \d+/\d+\): loss .*, "
                          r"[\d.]+ rows/s, \d+:\d\d:\d\d left|step \d+: val loss .*|test acc .* results in .*|"
-                         r"the training loss stayed at chance level .*")
+                         r"the training loss stayed at chance level .*|"
+                         r"(validation|test): \d+/\d+ batches, \d+:\d\d:\d\d left")
 
 
 @pytest.mark.parametrize("launch", ["python", "fabric run"])
@@ -85,8 +95,14 @@ def test_two_cpu_processes_count_every_row_once(tmp_path, launch):
         assert sum(line.startswith("step ") and " left" in line for line in done.stdout.splitlines()) >= 3
         results = json.loads((tmp_path / "results.json").read_text())
     else:
-        run([fabric_cli(), "run", *flags, "train.py", *SMALL_DEMO, "--out-dir", str(tmp_path)])
+        # as a user starts it: `fabric run` then sets OMP_NUM_THREADS to every CPU in each process
+        env = {name: value for name, value in subprocess_env().items() if name != "OMP_NUM_THREADS"}
+        done = subprocess.run([fabric_cli(), "run", *flags, "train.py", *SMALL_DEMO, "--out-dir", str(tmp_path)],
+                              cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
         results = json.loads((tmp_path / "results.json").read_text())
+        # the two processes share the cores (the idle ones) instead of each starting a thread per core
+        assert 1 <= results["environment"]["torch_threads"] <= max(1, len(os.sched_getaffinity(0)) // 2)
     assert results["world_size"] == 2
     assert {k: results[k] for k in SMALL_SIZES} == SMALL_SIZES
     peaks = results["peak_memory_mb_per_rank"]  # each rank's own resident peak, not rank 0's twice

@@ -112,3 +112,29 @@ def test_a_run_killed_and_resumed_ends_where_an_uninterrupted_run_ends(tmp_path)
     scores = [key for key in full if key.startswith(("val_", "test_"))]
     assert {"test_loss", "test_examples", "val_loss"} <= set(scores)
     assert {key: resumed[key] for key in scores} == pytest.approx({key: full[key] for key in scores}, abs=1e-4)
+
+
+def test_fast_dev_run_checks_the_whole_run_and_leaves_nothing(tmp_path):
+    """--fast-dev-run: a few steps, validation and test batches and the export, for whatever task.py is, in a
+    temporary folder that is gone afterwards (runs/ untouched)."""
+    import os
+    import subprocess
+
+    from conftest import subprocess_env
+
+    runs_before = sorted((REPO / "runs").glob("*")) if (REPO / "runs").is_dir() else []
+    done = subprocess.run([sys.executable, "train.py", *task.TEST_FLAGS, "--fast-dev-run", "3"], cwd=REPO,
+                          env={**subprocess_env(), "TMPDIR": str(tmp_path)}, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert any(line.startswith("training  3 optimizer steps") for line in lines), done.stdout
+    assert any(line.startswith("step 3: val ") for line in lines) and lines[-1].startswith("--fast-dev-run: removed")
+    assert not list(tmp_path.glob("fabric-template-check-*"))
+    assert (sorted((REPO / "runs").glob("*")) if (REPO / "runs").is_dir() else []) == runs_before
+    refused = subprocess.run([sys.executable, "train.py", *task.TEST_FLAGS, "--fast-dev-run", "--out-dir",
+                              str(tmp_path / "run")], cwd=REPO, env=subprocess_env(), capture_output=True, text=True,
+                             timeout=300)
+    assert refused.returncode == 2 and refused.stderr == (
+        "error: --fast-dev-run runs in a temporary folder it removes: drop --out-dir\n") and not os.path.exists(
+        tmp_path / "run")

@@ -90,7 +90,7 @@ def warm_up_leak(fabric) -> dict:
     for warm in (True, False):  # warm_up's fabric.backward needs the engine to be the only one so far
         model, optimizer = setup(fabric)
         if warm:
-            warm_up(fabric, model, optimizer, rows(seed=7), loss_fn=lambda module, batch: module(**batch).loss)
+            warm_up(fabric, model, optimizer, [rows(seed=7)], loss_fn=lambda module, batch: module(**batch).loss)
         fabric.backward(model(**rows(seed=fabric.global_rank)).loss, model=model)
         optimizer.step()
         optimizer.zero_grad()

@@ -1,0 +1,58 @@
+"""How many threads each process computes with on the CPU: the idle CPUs it may use, shared among the node's
+processes. torch defaults to one thread per core of the machine in every process, and ``fabric run`` sets
+``OMP_NUM_THREADS`` to every CPU in each process it starts: threads beyond the free cores wait on each other at every
+parallel operation, and the job crawls."""
+
+import math
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import psutil
+import torch
+
+# what the user set, read before Lightning's launcher sets it in the process that starts the others
+USER_OMP_THREADS = os.environ.get("OMP_NUM_THREADS")
+
+
+def usable_cpus(cgroup: Path = Path("/sys/fs/cgroup")) -> int:
+    """The CPUs this process may run on (its affinity: taskset, SLURM's binding), fewer where its cgroup's CPU quota
+    (``cpu.max``: a container's or a SLURM job's limit) allows less time than that."""
+    cpus = len(os.sched_getaffinity(0))
+    try:
+        quota, period = (cgroup / "cpu.max").read_text().split()[:2]
+    except (OSError, ValueError):
+        return cpus
+    return cpus if quota == "max" else max(1, min(cpus, math.ceil(int(quota) / int(period))))
+
+
+def idle_cpus(seconds: float = 0.2) -> float:
+    """How many of the CPUs this process may run on were idle over ``seconds``: another job's busy ones are taken."""
+    busy = psutil.cpu_percent(interval=seconds, percpu=True)
+    return sum(1 - busy[cpu] / 100 for cpu in os.sched_getaffinity(0) if cpu < len(busy))
+
+
+def choose_threads(requested: int | None, cpus: int, idle: Callable[[], float], sharing: int, user_setting: str | None,
+                   launcher_sets_it: bool) -> tuple[int, str]:
+    """The thread count and why: ``--num-threads``, else ``OMP_NUM_THREADS`` where the user set it (not a launcher),
+    else the ``cpus`` this process may use that are ``idle()`` now, divided among the ``sharing`` processes of the job."""
+    if requested:
+        return requested, "--num-threads"
+    if user_setting and user_setting.isdigit() and int(user_setting) > 0 and not launcher_sets_it:
+        return int(user_setting), "OMP_NUM_THREADS"
+    free = min(cpus, round(idle()))
+    return max(1, free // sharing), f"{free} idle of {cpus} CPUs / {sharing} process{'es' * (sharing > 1)}"
+
+
+def launcher_sets_threads() -> bool:
+    """``fabric run`` sets OMP_NUM_THREADS to every CPU, torchrun to 1 with several processes: neither is the user's."""
+    return os.environ.get("LT_CLI_USED") == "1" or "TORCHELASTIC_RUN_ID" in os.environ
+
+
+def set_threads(requested: int | None, sharing: int) -> str:
+    """Sets torch's intra-op threads (OpenMP and MKL) for this process; returns the choice, said in the header."""
+    threads, why = choose_threads(requested, usable_cpus(), idle_cpus, sharing,
+                                  USER_OMP_THREADS, launcher_sets_threads())
+    torch.set_num_threads(threads)
+    os.environ["OMP_NUM_THREADS"] = str(threads)  # for the processes this one starts (loader workers, compilers)
+    return f"{threads} thread{'s' * (threads > 1)} ({why})"

@@ -1,0 +1,1 @@
+../../scripts/swap_task_check.sh

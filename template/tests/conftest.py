@@ -1,0 +1,1 @@
+../../tests/conftest.py

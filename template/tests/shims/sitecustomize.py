@@ -1,0 +1,1 @@
+../../../tests/shims/sitecustomize.py

@@ -1,0 +1,207 @@
+"""A run folder from someone else can hold anything: a pickle planted in any file that a resume, the export or
+predict.py reads is refused with one line before it is read, under every strategy; a checkpoint file changed since it
+was written (same size, one byte) is skipped by --resume auto for the one before it.
+
+One short run per strategy, started together (fsdp and DeepSpeed through the CPU shims); each test plants into
+copies of their checkpoints."""
+
+import io
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from conftest import REPO, SHIMS, subprocess_env
+from fabric_utils.checkpoint import find_resume_checkpoint, load_weights, verify, write_manifest
+from fabric_utils.errors import UserError
+from fabric_utils.safe_pickle import load_torch_file
+
+TINY = ["--demo", "--train-size", "64", "--val-size", "16", "--test-size", "16", "--batch-size", "8",
+        "--max-length", "32", "--max-steps", "2", "--save-every", "1", "--quiet", "--num-workers", "0",
+        "--accelerator", "cpu"]
+TWO = ["--devices", "2", "--strategy"]
+STRATEGIES = {"single": ([], {}), "ddp": ([*TWO, "ddp"], {}), "fsdp2": ([*TWO, "fsdp2"], {}),
+              "fsdp": ([*TWO, "fsdp"], {"FABRIC_TEMPLATE_FSDP_CPU": "1"}),
+              "deepspeed": ([*TWO, "deepspeed_stage_2", "--precision", "bf16-mixed"],
+                            {"FABRIC_TEMPLATE_DEEPSPEED_CPU": "1"})}
+
+
+class Payload:
+    """Unpickling it runs a shell command that writes ``marker``."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("safe")
+    procs = {}
+    for name, (flags, shim) in STRATEGIES.items():
+        env = {**subprocess_env(), **shim}
+        if shim:
+            env["PYTHONPATH"] = os.pathsep.join([str(SHIMS), str(REPO)])
+        procs[name] = subprocess.Popen([sys.executable, "train.py", *TINY, *flags, "--out-dir", str(root / name)],
+                                       cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for name, proc in procs.items():
+        output = proc.communicate(timeout=600)[0]
+        assert proc.returncode == 0, f"{name}: exit {proc.returncode}\n{output[-3000:]}"
+    return root
+
+
+def pickled_files(folder: Path) -> list[str]:
+    """The files of a checkpoint that a library unpickles: all but the records, DeepSpeed's scripts and tag file."""
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()
+                  and p.suffix not in (".json", ".py") and p.name != "latest")
+
+
+def plant(folder: Path, name: str, marker: Path) -> None:
+    """A payload in ``folder/name`` as its own format holds values, and a manifest rewritten to match (it is no
+    signature: whoever can write the folder can rewrite it)."""
+    path = folder / name
+    if path.name == ".metadata":  # torch distributed checkpoint's index: a plain pickle
+        path.write_bytes(pickle.dumps(Payload(marker)))
+    elif path.suffix == ".distcp":  # a non-tensor value (step, lr): appended, and the index pointed at it
+        from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+        index_file = path.parent / ".metadata"
+        metadata = pickle.loads(index_file.read_bytes())
+        info = next(info for index, info in metadata.storage_data.items()
+                    if isinstance(metadata.state_dict_metadata[index.fqn], BytesStorageMetadata))
+        value = io.BytesIO()
+        torch.save(Payload(marker), value)
+        info.relative_path, info.offset, info.length = path.name, path.stat().st_size, len(value.getvalue())
+        with open(path, "ab") as f:
+            f.write(value.getvalue())
+        index_file.write_bytes(pickle.dumps(metadata))
+    else:  # a torch.save file: the payload beside what it holds
+        held = torch.load(path, weights_only=False)
+        torch.save({**held, "planted": Payload(marker)} if isinstance(held, dict) else [held, Payload(marker)], path)
+    write_manifest(folder)
+
+
+RANK_0 = SimpleNamespace(is_global_zero=True, broadcast=lambda obj: obj)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_payload_in_any_checkpoint_file_is_refused_naming_it(runs, tmp_path, strategy):
+    """What a resume (``--resume``) and the export (``checkpoints/best``, through load_weights) check first."""
+    written = runs / strategy / "checkpoints" / "step-000002"
+    names = pickled_files(written)
+    assert any(name.startswith("state") for name in names) and any(name.startswith("rng-") for name in names)
+    marker = tmp_path / "marker"
+    for name in names:
+        folder = shutil.copytree(written, tmp_path / name.replace("/", "_"))
+        plant(folder, name, marker)
+        with pytest.raises(UserError) as refused:
+            if name.startswith("rng-"):  # each rank loads its own, to name itself if it is refused
+                load_torch_file(folder / name)
+            verify(RANK_0, folder)
+        assert f"refusing checkpoint file {folder / name}: it needs posix.system" in str(refused.value), name
+        assert "\n" not in str(refused.value)
+        assert not marker.exists(), f"{name}: the payload ran"
+
+
+def test_the_export_reads_best_only_after_checking_it(runs, tmp_path):
+    folder = shutil.copytree(runs / "fsdp2" / "checkpoints" / "best", tmp_path / "best")
+    plant(folder, "state/.metadata", tmp_path / "marker")
+    with pytest.raises(UserError, match="it needs posix.system"):
+        load_weights(RANK_0, folder / "state", model=None)
+    assert not (tmp_path / "marker").exists()
+
+
+def test_resuming_a_planted_fsdp2_checkpoint_is_one_line_on_two_processes(runs, tmp_path):
+    """The plain pickle.load of torch distributed checkpoint's index used to run the payload on every rank."""
+    out = shutil.copytree(runs / "fsdp2", tmp_path / "run")
+    plant(out / "checkpoints" / "step-000002", "state/.metadata", tmp_path / "marker")
+    done = subprocess.run([sys.executable, "train.py", *TINY, *STRATEGIES["fsdp2"][0], "--out-dir", str(out),
+                           "--resume", "auto"], cwd=REPO, env=subprocess_env(), capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 2 and done.stderr.strip().splitlines() == [
+        f"error: refusing checkpoint file {out}/checkpoints/step-000002/state/.metadata: it needs posix.system, which "
+        f"no checkpoint of train.py holds (loading it could run code); pass another --resume or start a new "
+        f"--out-dir"], done.stderr[-3000:]
+    assert not (tmp_path / "marker").exists()
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_changed_byte_in_any_checkpoint_file_is_skipped_for_the_one_before(runs, tmp_path, strategy):
+    ckpt = runs / strategy / "checkpoints"
+    names = [str(p.relative_to(ckpt / "step-000002")) for p in (ckpt / "step-000002").rglob("*") if p.is_file()]
+    for name in names:
+        if name == "manifest.json":
+            continue
+        copy = shutil.copytree(ckpt, tmp_path / name.replace("/", "_"))
+        path = copy / "step-000002" / name
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 1
+        path.write_bytes(bytes(data))
+        said = []
+        assert find_resume_checkpoint("auto", copy, report=said.append) == copy / "step-000001", name
+        assert said == [f"skipping damaged checkpoint {copy / 'step-000002'}: {name} is not the file written (its "
+                        f"SHA-256 differs)"]
+        with pytest.raises(UserError, match=f"is damaged: {name} is not the file written"):
+            find_resume_checkpoint(str(copy / "step-000002"), copy)
+
+
+def test_resume_auto_continues_from_the_checkpoint_before_a_damaged_one(runs, tmp_path):
+    out = shutil.copytree(runs / "single", tmp_path / "run")
+    state = out / "checkpoints" / "step-000002" / "state"
+    data = bytearray(state.read_bytes())
+    data[-100] ^= 1  # inside the zip's records: same size
+    state.write_bytes(bytes(data))
+    done = subprocess.run([sys.executable, "train.py", *TINY, "--out-dir", str(out), "--resume", "auto"], cwd=REPO,
+                          env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (f"skipping damaged checkpoint {out / 'checkpoints' / 'step-000002'}: state is not the file written"
+            in done.stdout)
+    assert f"resumed from {out / 'checkpoints' / 'step-000001'} at step 1" in done.stdout
+
+
+def test_predict_runs_no_code_and_reads_no_pickle_from_the_model_folder(runs, tmp_path):
+    run_dir = shutil.copytree(runs / "single", tmp_path / "run")
+    model, marker = run_dir / "model", tmp_path / "marker"
+    (model / "custom.py").write_text(f"import pathlib\npathlib.Path({str(marker)!r}).touch()\n"
+                                     f"from transformers import BertForSequenceClassification as Custom\n")
+    for name, auto_map in (("config.json", {"AutoModelForSequenceClassification": "custom.Custom"}),
+                           ("tokenizer_config.json", {"AutoTokenizer": ["custom.Custom", None]})):
+        config = json.loads((model / name).read_text())
+        (model / name).write_text(json.dumps({**config, "auto_map": auto_map}))
+    rows = tmp_path / "rows.csv"
+    rows.write_text("text\ngreat film\ndull film\n")
+    predict = [sys.executable, "predict.py", str(run_dir), str(rows)]
+    done = subprocess.run(predict, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "2 predictions" in done.stdout, done.stderr[-3000:]
+    (model / "model.safetensors").unlink()  # weights as a pickle instead
+    torch.save({"planted": Payload(marker)}, model / "pytorch_model.bin")
+    done = subprocess.run(predict, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and done.stderr.splitlines() == [
+        f"error: cannot load the exported model in {model}: Error no file named model.safetensors found in directory "
+        f"{model}. (predict.py reads the model.safetensors train.py exports)"], done.stderr[-3000:]
+    assert not marker.exists()
+
+
+def test_the_export_writes_the_stock_classes_only(runs, tmp_path):
+    """A source model's auto_map (its own code, which training never ran) is not copied into the export."""
+    from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
+
+    import task
+
+    tokenizer = AutoTokenizer.from_pretrained(runs / "single" / "model", trust_remote_code=False)
+    tokenizer.init_kwargs["auto_map"] = {"AutoTokenizer": ["custom.Custom", None]}
+    trained = BertForSequenceClassification(BertConfig(
+        vocab_size=len(tokenizer), hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16,
+        auto_map={"AutoModelForSequenceClassification": "custom.Custom"}))
+    task.export(trained.state_dict(), trained, tokenizer, tmp_path)
+    for name in ("config.json", "tokenizer_config.json"):
+        assert "auto_map" not in json.loads((tmp_path / name).read_text()), name
