@@ -1,11 +1,13 @@
 """Every family a user brings (tests/families.py: encoders, decoders as classifiers, encoder-decoders) trains, with and
 without LoRA, in this one process: the tokenizer pads (decoders with their end-of-text token), FLOPs are counted or
 the run says how, LoRA trains and exports the task's head, and the export loads with plain transformers and gives the
-same logits for a row alone as in a padded batch; predict.py reads it."""
+same logits for a row alone as in a padded batch; predict.py reads it. Llama also on two processes (fsdp2 with
+--grad-checkpointing, ZeRO-3 under the CPU shim) and through a resume, each ending as one uninterrupted process."""
 
 import csv
 import json
 import re
+import shutil
 import signal
 
 import pytest
@@ -15,7 +17,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 import predict
 import train
-from conftest import REPO
+from conftest import REPO, resumed_step
 from conftest import train as train_subprocess
 from data.demo import prepare_demo
 from families import FAMILIES, write_family_model
@@ -140,3 +142,21 @@ def test_a_sharded_decoder_with_lora_trains_as_one_process(folders, llama_refere
     for name, value in llama_reference.items():
         torch.testing.assert_close(exported[name], value, rtol=1e-4, atol=1e-5, msg=name)
     assert_alone_as_in_a_batch(tmp_path / "model", "left")
+
+
+def test_a_decoder_resumes_exactly(folders, tmp_path, capsys):
+    """Llama's run cut back to its step-1 checkpoint and resumed ends with the uninterrupted run's weights."""
+    data, models = folders
+    flags = ["--dataset", data, "--model", models["llama"], *EXACT, "--save-every", "1"]
+    train_in_process(*flags, "--out-dir", tmp_path / "whole")
+    shutil.copytree(tmp_path / "whole", tmp_path / "resumed")
+    for later in ("checkpoints/step-000002", "checkpoints/best", "model", "results.json"):
+        shutil.rmtree(tmp_path / "resumed" / later) if (tmp_path / "resumed" / later).is_dir() else (
+            tmp_path / "resumed" / later).unlink()
+    capsys.readouterr()
+    train_in_process(*flags, "--resume", "auto", "--out-dir", tmp_path / "resumed")
+    assert resumed_step(capsys.readouterr().out) == 1
+    whole, resumed = (load_file(tmp_path / run / "model" / "model.safetensors") for run in ("whole", "resumed"))
+    assert whole.keys() == resumed.keys()
+    for name, value in whole.items():
+        torch.testing.assert_close(resumed[name], value, rtol=1e-5, atol=1e-6, msg=name)
