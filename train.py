@@ -71,8 +71,9 @@ def setup(argv=None) -> dict:
     args = parse_args(argv)
     if not args.verbose:
         silence_libraries()
+    check_dir = None
     if args.fast_dev_run:
-        args = fast_dev_run_flags(args)
+        args, check_dir = fast_dev_run_flags(args)
     out_dir, created = prepare_out_dir(args.out_dir, resume=args.resume)
     try:
         loggers = make_loggers(args.logger, out_dir, project=args.tracker_project, resume=bool(args.resume))
@@ -86,19 +87,22 @@ def setup(argv=None) -> dict:
     finally:
         if created:  # a start that failed before writing anything leaves no folder behind
             remove_if_unused(out_dir)
-        if args.fast_dev_run:
-            shutil.rmtree(out_dir, ignore_errors=True)
-            say(f"--fast-dev-run: removed its folder {out_dir}")
+        if check_dir:  # by the process that made it: the processes it started share it
+            shutil.rmtree(check_dir, ignore_errors=True)
+            say(f"--fast-dev-run: removed its folder {check_dir}")
 
 
-def fast_dev_run_flags(args):
+def fast_dev_run_flags(args) -> tuple:
     """--fast-dev-run's flags: N optimizer steps, CSV logs only (trackers write elsewhere), in a temporary run folder
-    (the same for every process this one starts) that setup() removes."""
+    (the same for every process this one starts), and that folder where this process made it (setup() removes it)."""
     for flag in ("out_dir", "resume"):
         if getattr(args, flag):
             raise UserError(f"--fast-dev-run runs in a temporary folder it removes: drop --{flag.replace('_', '-')}")
-    os.environ.setdefault(RUN_DIR_ENV, tempfile.mkdtemp(prefix="fabric-template-check-"))
-    return with_values(args, {"max_steps": args.fast_dev_run, "logger": "csv", "save_every": None, "val_every": None})
+    made = None
+    if RUN_DIR_ENV not in os.environ:
+        made = os.environ[RUN_DIR_ENV] = tempfile.mkdtemp(prefix="fabric-template-check-")
+    flags = {"max_steps": args.fast_dev_run, "logger": "csv", "save_every": None, "val_every": None}
+    return with_values(args, flags), made
 
 
 def cut_splits(spec: TaskSpec, rows: dict[str, int]) -> TaskSpec:
