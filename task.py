@@ -19,7 +19,6 @@ from __future__ import annotations  # types are only named, never needed before 
 import argparse
 import contextlib
 import copy
-import functools
 import math
 import warnings
 from dataclasses import dataclass
@@ -336,9 +335,6 @@ class ClassifierObjective:
     problem_type: str
     num_labels: int
 
-    def __post_init__(self):
-        apply_given_masks()
-
     def forward(self, model, batch: dict) -> torch.Tensor:
         """Logits: (rows, labels), or (rows,) for a one-output regression head."""
         # only the inputs the batch has: token_type_ids come with sentence pairs for the models that take them
@@ -422,22 +418,6 @@ class ClassifierObjective:
                   "multi_label": lambda: torch.zeros(rows, self.num_labels, device=device),
                   "regression": lambda: torch.zeros(rows, device=device)}[self.problem_type]()
         return {"input_ids": torch.randint(1, max(vocab_size, 2), (rows, length), device=device), "labels": labels}
-
-
-def apply_given_masks() -> None:
-    """Has transformers' SDPA and eager attention apply a given attention mask without first reading it back to see
-    whether it masks anything (a host-device sync in every forward): the collate function leaves a batch a mask only
-    where it has padding. Without a mask, transformers skips it as before (no read), for encoders and decoders."""
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask, sdpa_mask
-
-    for name, make_mask in (("sdpa", sdpa_mask), ("eager", eager_mask)):
-        ALL_MASK_ATTENTION_FUNCTIONS[name] = functools.partial(_given_mask_applied, make_mask)
-
-
-def _given_mask_applied(make_mask, *args, attention_mask=None, **kwargs):
-    if attention_mask is not None:
-        kwargs.update(allow_is_causal_skip=False, allow_is_bidirectional_skip=False)
-    return make_mask(*args, attention_mask=attention_mask, **kwargs)
 
 
 def row_lengths(batch: dict) -> torch.Tensor:
