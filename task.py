@@ -19,7 +19,6 @@ from __future__ import annotations  # types are only named, never needed before 
 import argparse
 import contextlib
 import copy
-import functools
 import math
 import warnings
 from collections import Counter
@@ -396,9 +395,6 @@ class ClassifierObjective:
     label_names: list[str] | None = None  # in id order: the predictions files name each label beside its id
     class_weights: tuple[float, ...] | None = None  # single_label: each class's weight in the loss (--class-weights)
 
-    def __post_init__(self):
-        apply_given_masks()
-
     def forward(self, model, batch: dict) -> torch.Tensor:
         """Logits: (rows, labels), or (rows,) for a one-output regression head."""
         # only the inputs the batch has: token_type_ids come with sentence pairs for the models that take them
@@ -520,22 +516,6 @@ def example_inputs(tokenizer, rows: int, length: int) -> dict[str, torch.Tensor]
     row = tokenizer.pad({name: row[name] for name in ("input_ids", "attention_mask")}, padding="max_length",
                         max_length=length, return_tensors="pt")
     return {name: value.expand(rows, -1) for name, value in row.items()}
-
-
-def apply_given_masks() -> None:
-    """Has transformers' SDPA and eager attention apply a given attention mask without first reading it back to see
-    whether it masks anything (a host-device sync in every forward): the collate function leaves a batch a mask only
-    where it has padding. Without a mask, transformers skips it as before (no read), for encoders and decoders."""
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask, sdpa_mask
-
-    for name, make_mask in (("sdpa", sdpa_mask), ("eager", eager_mask)):
-        ALL_MASK_ATTENTION_FUNCTIONS[name] = functools.partial(_given_mask_applied, make_mask)
-
-
-def _given_mask_applied(make_mask, *args, attention_mask=None, **kwargs):
-    if attention_mask is not None:
-        kwargs.update(allow_is_causal_skip=False, allow_is_bidirectional_skip=False)
-    return make_mask(*args, attention_mask=attention_mask, **kwargs)
 
 
 def row_lengths(batch: dict) -> torch.Tensor:

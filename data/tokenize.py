@@ -8,6 +8,7 @@ import math
 import datasets
 from datasets.fingerprint import Hasher
 from transformers import DataCollatorWithPadding
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask, sdpa_mask
 
 
 def tokenize_splits(splits: datasets.DatasetDict, tokenizer, text_column: str, max_length: int,
@@ -65,10 +66,12 @@ def make_collator(tokenizer, pad_to_max_length: bool, max_length: int, pad_to_mu
 
     Whether a batch has padding is decided here, on the host: a batch without any loses its attention mask, so the
     model neither reads the mask back to check (a host-device sync per forward) nor passes it to attention, which
-    may then take its fused (flash) kernel; a batch with padding keeps it (task.py applies it unchecked).
+    may then take its fused (flash) kernel; a batch with padding keeps it, which transformers then applies unchecked
+    (``apply_given_masks``).
     Batches come out as plain dicts: Fabric moves a dict's tensors one by one with ``non_blocking=True``, but calls a
     ``BatchEncoding``'s own ``.to(device)``, a blocking copy that waits for the GPU on every batch."""
     buckets = [max_length] if pad_to_max_length else length_buckets(max_length, pad_to_multiple_of)
+    apply_given_masks()
     return functools.partial(_padded_dict, tokenizer, buckets)  # not a lambda: workers started by "spawn" pickle it
 
 
@@ -79,3 +82,17 @@ def _padded_dict(tokenizer, buckets, rows) -> dict:
     if batch["attention_mask"].all():
         del batch["attention_mask"]
     return batch
+
+
+def apply_given_masks() -> None:
+    """Has transformers' SDPA and eager attention apply a given attention mask without first reading it back to see
+    whether it masks anything (a host-device sync in every forward), as this module's batches carry a mask only where
+    they have padding. Without a mask, transformers skips it as before (no read), for encoders and decoders."""
+    for name, make_mask in (("sdpa", sdpa_mask), ("eager", eager_mask)):
+        ALL_MASK_ATTENTION_FUNCTIONS[name] = functools.partial(_given_mask_applied, make_mask)
+
+
+def _given_mask_applied(make_mask, *args, attention_mask=None, **kwargs):
+    if attention_mask is not None:
+        kwargs.update(allow_is_causal_skip=False, allow_is_bidirectional_skip=False)
+    return make_mask(*args, attention_mask=attention_mask, **kwargs)

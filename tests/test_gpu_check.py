@@ -9,12 +9,15 @@ import torch
 
 from conftest import REPO, run, subprocess_env
 
-SECTIONS = ["one GPU: all-MiniLM-L6-v2, pretrained", "one GPU: random weights, length 512",
+SECTIONS = ["peers, same call", "one GPU: all-MiniLM-L6-v2, pretrained", "one GPU: random weights, length 512",
             "bigger than one device: memory capped below the training state",
             "bigger than one device: memory capped below the fp32 model", "2+ GPUs: strategies, all-MiniLM-L6-v2"]
 
 
 def test_the_dry_run_writes_every_row_measured_or_skipped_with_a_reason(tmp_path):
+    sys.path.insert(0, str(REPO / "bench"))
+    import gpu_check
+
     run([sys.executable, "bench/gpu_check.py", "--dry-run", "--out", str(tmp_path), "--peak-tflops", "1"])
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     rows = report["rows"]
@@ -22,12 +25,26 @@ def test_the_dry_run_writes_every_row_measured_or_skipped_with_a_reason(tmp_path
     assert {row["status"] for row in rows} == {"measured", "skipped"}
     assert all(row["reason"] for row in rows if row["status"] == "skipped")
     measured = {row["name"]: row for row in rows if row["status"] == "measured"}
+    hf, raschka = gpu_check.HF_PEER, gpu_check.RASCHKA
     assert set(measured) == {"32-true", "bf16-mixed", "16-mixed", "DistilBERT-shaped, bf16-mixed, --batch-size auto",
-                             "ddp"}
+                             "ddp", hf, raschka}
     for row in measured.values():
         assert row["results"]["train_samples_per_s"] > 0 and 0 <= row["results"]["test_acc"] <= 1
     assert measured["ddp"]["results"]["world_size"] == 2
-    assert measured["32-true"]["steady_samples_per_s"] > 0  # the one-GPU rows' rate without the first step
+    # the peers and the one-GPU rows, measured as a profiler does: a steady window of timed steps, then profiled
+    # ones; a CPU has no kernels nor GPU to be busy, and the template reads nothing back between log steps
+    for name in ("32-true", "bf16-mixed", "16-mixed", hf, raschka):
+        profile = measured[name]["profile"]
+        assert measured[name]["steady_samples_per_s"] > 0 and profile["steps_timed"] == 3, (name, profile)
+        assert profile["steady_steps"] == 2 and profile["steps_profiled"] == 2 and profile["matmul_flops_per_step"] > 0
+        assert profile["kernel_launches_per_step"] == profile["gpu_busy"] == "n/a (cpu)"
+        assert profile["host_syncs_per_step"] >= 0
+    assert measured["bf16-mixed"]["profile"]["host_syncs_per_step"] == 0
+    assert measured[raschka]["results"]["config"]["pad_to_max_length"] and measured[raschka]["results"]["precision"] == \
+        "16-mixed" and measured[raschka]["results"]["config"]["batch_size"] == 8  # the dry run's batch
+    assert measured[hf]["results"]["precision"] == "bf16-mixed" and measured["bf16-mixed"]["results"][
+        "recompiles_after_warm_up"] == 0
+    assert measured["bf16-mixed"]["profile"]["mfu_padded"] > 0  # --peak-tflops: a half-precision peak
     # --peak-tflops is a half-precision peak: a CPU has none of its own, so only those rows get an MFU
     assert measured["bf16-mixed"]["results"]["mfu"] > 0 and measured["32-true"]["results"]["mfu"] is None
     assert measured["16-mixed"]["results"]["precision"] == "16-mixed"  # the CPU shim's real fp16, not bf16
@@ -37,8 +54,11 @@ def test_the_dry_run_writes_every_row_measured_or_skipped_with_a_reason(tmp_path
     assert measured["DistilBERT-shaped, bf16-mixed, --batch-size auto"]["results"]["config"]["batch_size"] > 8
     table = (tmp_path / "gpu_check.md").read_text()
     assert f"- torch: {torch.__version__}" in table and "- deepspeed: " in table
+    assert "| samples/s, steady | tokens/s | MFU | MFU, padded | GPU busy | kernels/step | syncs/step | recompiles |" \
+        in table
     lines = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith("| row |")]
     assert len(lines) == len(rows)
+    assert "| n/a (cpu) |" in lines[[row["name"] for row in rows].index("bf16-mixed")]
     for row, line in zip(rows, lines):
         assert line.startswith(f"| {row['name']} | {row['status']} |")
         assert row["status"] == "measured" or row["reason"] in line

@@ -125,7 +125,8 @@ def test_attention_masks_are_decided_on_the_host_at_equal_logits(family, demo_to
                                   **FAMILIES[family])
     torch.manual_seed(0)
     model = AutoModelForSequenceClassification.from_config(config).eval()
-    objective = ClassifierObjective("single_label", num_labels=3)  # applies the given masks unchecked
+    objective = ClassifierObjective("single_label", num_labels=3)
+    # the template's collator has transformers apply the masks it gives unchecked
     ours, theirs = make_collator(tokenizer, False, 64, 8), DataCollatorWithPadding(tokenizer, pad_to_multiple_of=8)
     for lengths in ([5, 13, 20], [16, 16]):
         rows = [{"input_ids": torch.randint(5, len(tokenizer), (n,)), "attention_mask": torch.ones(n, dtype=torch.long),
