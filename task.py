@@ -19,6 +19,7 @@ from __future__ import annotations  # types are only named, never needed before 
 import argparse
 import contextlib
 import copy
+import functools
 import math
 import warnings
 from collections import Counter
@@ -320,8 +321,8 @@ def build_model(source: str, label_names: list[str], problem_type: str, attentio
     """The pretrained encoder with a fresh head for ``label_names`` (never running remote code). Its config carries
     the problem type and the label names, so the exported model predicts the right way (softmax, sigmoid or a
     number), and the tokenizer's ``pad_token_id``, by which decoders find each row's last token (Qwen2's config names
-    none though its tokenizer pads). A dropout of None keeps the model's own. ``lora_r`` > 0 freezes it and adds LoRA adapters
-    (``add_lora``). The weights keep the dtype the folder holds (transformers memory-maps its safetensors file): the
+    none though its tokenizer pads). A dropout of None keeps the model's own. ``lora_r`` > 0 freezes it and adds LoRA
+    adapters (``add_lora``). The weights keep the dtype the folder holds (transformers memory-maps its safetensors file): the
     loop makes them fp32, under fsdp2 once each rank holds only its shards, so no rank converts the whole. Without
     ``weights``, the same model in fp32 with no weight read or initialized: the skeleton that the loop builds
     sharded under fsdp, fsdp2 and ZeRO-3 and fills from the pretrained model on rank 0."""
@@ -371,7 +372,8 @@ def add_lora(model, r: int, alpha: float, dropout: float, target_modules: list[s
     from peft import LoraConfig, TaskType, get_peft_model
 
     body = model.base_model
-    head = [name for name, module in model.named_children() if module is not body and next(module.parameters(), None) is not None]
+    head = [name for name, module in model.named_children()
+            if module is not body and next(module.parameters(), None) is not None]
     linear = sorted({name.rsplit(".", 1)[-1] for name, module in body.named_modules()
                      if isinstance(module, torch.nn.Linear)})
     config = LoraConfig(task_type=TaskType.SEQ_CLS, r=r, lora_alpha=alpha, lora_dropout=dropout,

@@ -53,7 +53,8 @@ BUCKET_GROWTH = 1.15
 
 
 def length_buckets(max_length: int, multiple: int) -> list[int]:
-    """The lengths batches are padded to: multiples of ``multiple`` growing by ``BUCKET_GROWTH``, then ``max_length``."""
+    """The lengths batches are padded to: multiples of ``multiple`` growing by ``BUCKET_GROWTH``, then
+    ``max_length``."""
     buckets, length = [], multiple
     while length < max_length:
         buckets.append(length)

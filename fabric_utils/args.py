@@ -170,7 +170,8 @@ def build_parser(description: str) -> argparse.ArgumentParser:
                    "CPU count and processes per node)")
     g.add_argument("--num-threads", type=positive_int, help="intra-op CPU threads per process (default: "
                    "OMP_NUM_THREADS where you set it, else the CPUs this process may use that are idle at its start, "
-                   "divided among the node's processes; under `fabric run` and torchrun, which set OMP_NUM_THREADS themselves, the latter)")
+                   "divided among the node's processes; under `fabric run` and torchrun, which set OMP_NUM_THREADS "
+                   "themselves, the latter)")
     g.add_argument("--peak-tflops", type=positive_float, help="peak dense TFLOP/s of a device in its precision, for "
                    "MFU where Fabric lacks it (CPUs; GPUs it warns 'FLOPs not found' for: an H200 does 989 in bf16)")
 

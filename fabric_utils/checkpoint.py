@@ -1,9 +1,9 @@
 """Atomic, resumable checkpoints through ``fabric.save`` / ``fabric.load`` (so FSDP and DeepSpeed shard them): a folder
 ``step-000123`` with ``state``, ``rng-rank<r>.pt`` per rank, ``record.json`` (fingerprint and world size, read before
-anything loads) and ``manifest.json`` (every file's size and SHA-256), written as ``.tmp-*`` and renamed once every rank is done;
-``--resume auto`` takes the newest whose manifest still matches (a disk, a copy or a hand can damage one later). Before
-anything loads, rank 0 checks the chosen one's files against its manifest and its pickles against an allow-list
-(``safe_pickle``): a run folder from someone else can hold anything."""
+anything loads) and ``manifest.json`` (every file's size and SHA-256), written as ``.tmp-*`` and renamed once every
+rank is done; ``--resume auto`` takes the newest whose manifest still matches (a disk, a copy or a hand can damage one
+later). Before anything loads, rank 0 checks the chosen one's files against its manifest and its pickles against an
+allow-list (``safe_pickle``): a run folder from someone else can hold anything."""
 
 import contextlib
 import errno

@@ -122,7 +122,7 @@ class Throughput:
         self.graphs_at_start = dynamo_counters["stats"]["unique_graphs"]
 
     def recompiles(self) -> int:
-        """Graphs torch.compile built since ``start()`` (after warm-up): each one a stall, and none where shapes repeat."""
+        """Graphs torch.compile built since ``start()`` (after warm-up): each a stall, none where shapes repeat."""
         return dynamo_counters["stats"]["unique_graphs"] - self.graphs_at_start
 
     @contextlib.contextmanager
@@ -183,8 +183,9 @@ def batch_kinds(batches: Iterable[dict], look_at: int = 50) -> list[dict]:
 
 def warm_up(fabric, model, optimizer, batches: list[dict],
             loss_fn: Callable[[torch.nn.Module, dict], torch.Tensor]) -> None:
-    """Compiles the training and evaluation graphs of each kind of batch (``batch_kinds``) before the clock starts. The gradients are dropped, so the first step is untouched, by the
-    optimizer's ``zero_grad``: ZeRO-3 keeps them in shards only it clears."""
+    """Compiles the training and evaluation graphs of each kind of batch (``batch_kinds``) before the clock starts.
+    The gradients are dropped, so the first step is untouched, by the optimizer's ``zero_grad``: ZeRO-3 keeps them in
+    shards only it clears."""
     for batch in batches:
         fabric.backward(loss_fn(model, batch))
         optimizer.zero_grad(set_to_none=True)

@@ -35,7 +35,8 @@ def idle_cpus(seconds: float = 0.2) -> float:
 def choose_threads(requested: int | None, cpus: int, idle: Callable[[], float], sharing: int, user_setting: str | None,
                    launcher_sets_it: bool) -> tuple[int, str]:
     """The thread count and why: ``--num-threads``, else ``OMP_NUM_THREADS`` where the user set it (not a launcher),
-    else the ``cpus`` this process may use that are ``idle()`` now, divided among the ``sharing`` processes of the job."""
+    else the ``cpus`` this process may use that are ``idle()`` now, divided among the ``sharing`` processes of the
+    job."""
     if requested:
         return requested, "--num-threads"
     if user_setting and user_setting.isdigit() and int(user_setting) > 0 and not launcher_sets_it:

@@ -224,7 +224,7 @@ def copy_repo(dest: Path) -> Path:
     names = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, text=True, check=True).stdout
     for name in filter(None, names.split("\0")):
         (dest / name).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(REPO / name, dest / name)
+        shutil.copy2(REPO / name, dest / name, follow_symlinks=False)  # template/ links stay links
     return dest
 
 
