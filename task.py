@@ -323,8 +323,8 @@ def build_model(source: str, label_names: list[str], problem_type: str, attentio
     number), and the tokenizer's ``pad_token_id``, by which decoders find each row's last token (Qwen2's config names
     none though its tokenizer pads). A dropout of None keeps the model's own. ``lora_r`` > 0 freezes it and adds LoRA
     adapters (``add_lora``). The weights keep the dtype the folder holds (transformers memory-maps its safetensors
-    file): the loop makes them fp32, under fsdp2 once each rank holds only its shards, so no rank converts the whole. Without
-    ``weights``, the same model in fp32 with no weight read or initialized: the skeleton that the loop builds
+    file): the loop makes them fp32, under fsdp2 once each rank holds only its shards, so no rank converts the whole.
+    Without ``weights``, the same model in fp32 with no weight read or initialized: the skeleton that the loop builds
     sharded under fsdp, fsdp2 and ZeRO-3 and fills from the pretrained model on rank 0."""
     import torch
     from transformers import AutoConfig, AutoModelForSequenceClassification
