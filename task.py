@@ -245,7 +245,7 @@ def load_tokenizer(source: str):
     try:
         return AutoTokenizer.from_pretrained(source, use_fast=True, trust_remote_code=False)
     except OSError as err:
-        raise UserError(f"cannot load a tokenizer from {source!r}: {str(err).splitlines()[0]}") from err
+        raise UserError(f"cannot load a tokenizer from {source!r}: {first_line(err)}") from err
 
 
 def check_positions(config, tokenizer, max_length: int, source: str) -> None:
@@ -287,7 +287,7 @@ def load_model_config(source: str):
     try:
         return AutoConfig.from_pretrained(source, trust_remote_code=False)
     except OSError as err:
-        raise UserError(f"cannot load model {source!r}: {str(err).splitlines()[0]}") from err
+        raise UserError(f"cannot load model {source!r}: {first_line(err)}") from err
 
 
 def rate(lr: float) -> str:
@@ -562,7 +562,7 @@ def predict(folder: Path, source: Path, flags: dict, batch_size: int) -> dict[st
         model = AutoModelForSequenceClassification.from_pretrained(folder, trust_remote_code=False,
                                                                    use_safetensors=True).eval()
     except OSError as err:
-        raise UserError(f"cannot load the exported model in {folder}: {str(err).splitlines()[0]} (predict.py reads "
+        raise UserError(f"cannot load the exported model in {folder}: {first_line(err)} (predict.py reads "
                         f"the model.safetensors train.py exports)") from err
     problem_type = {hf: name for name, hf in HF_PROBLEM_TYPES.items()}[model.config.problem_type]
     objective = ClassifierObjective(problem_type, num_labels=model.config.num_labels,

@@ -20,7 +20,7 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
 from fabric_utils.args import FSDP2, LAUNCH_DEFAULTS, fabric_run_settings, launched_by_cli
-from fabric_utils.errors import PeerLost, UserError, lost_a_peer
+from fabric_utils.errors import PeerLost, UserError, first_line, lost_a_peer
 from fabric_utils.private import _BackwardSyncControl, set_backward_sync_control
 from fabric_utils.sharding import BlockPolicy, materialize_unit, mixed_precision_policy, shard_blocks
 
@@ -124,7 +124,7 @@ def build_fabric(accelerator=None, devices=None, num_nodes=None, strategy=None, 
             warnings.filterwarnings("ignore", message=".*is supported for historical reasons")
             fabric = Fabric(**{**settings, "strategy": strategy}, **fabric_kwargs)
     except (ValueError, RuntimeError, TypeError, MisconfigurationException) as err:
-        raise UserError(f"cannot launch with {settings}: {str(err).splitlines()[0]}") from err
+        raise UserError(f"cannot launch with {settings}: {first_line(err)}") from err
     check_precision_supported(settings["precision"], fabric.strategy.precision.precision, fabric.device)
     deepspeed = isinstance(fabric.strategy, DeepSpeedStrategy)
     # Fabric refuses DeepSpeed off CUDA only once each process started, a traceback each: checked here, against the

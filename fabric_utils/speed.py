@@ -17,11 +17,9 @@ from lightning.fabric.utilities.throughput import ThroughputMonitor, measure_flo
 from lightning_utilities.core.apply_func import apply_to_collection
 
 from fabric_utils.errors import first_line
-from fabric_utils.private import FakeTensorMode
+from fabric_utils.private import FakeTensorMode, dynamo_counters, shape_config
 from fabric_utils.progress import say
 from fabric_utils.sharding import full_shape
-
-from fabric_utils.private import dynamo_counters, shape_config
 
 
 def default_num_workers(fabric) -> int:
