@@ -10,7 +10,7 @@ The task is task.py, whose setup() gives a `TaskSpec` (fabric_utils/task_spec.py
 """
 
 import task
-from fabric_utils.args import build_parser, parse_flags, with_values
+from fabric_utils.args import Config, build_parser, parse_flags
 from fabric_utils.errors import UserError, exit_on_user_error
 
 
@@ -22,7 +22,13 @@ def flag_parser():
 
 
 def parse_args(argv=None):
-    return parse_flags(flag_parser(), argv, presets=getattr(task, "PRESETS", {}))
+    flags = parse_flags(flag_parser(), argv, presets=getattr(task, "PRESETS", {}))
+    if flags.fast_dev_run:  # N optimizer steps, CSV logs only (trackers write elsewhere), in a folder it removes
+        for flag in ("out_dir", "resume"):
+            if getattr(flags, flag):
+                raise UserError(f"--fast-dev-run runs in a temporary folder it removes: drop --{flag.replace('_', '-')}")
+        vars(flags).update(max_steps=flags.fast_dev_run, logger="csv", save_every=None, val_every=None)
+    return flags
 
 
 if __name__ == "__main__":
@@ -68,41 +74,28 @@ from fabric_utils.threads import set_threads
 
 @exit_on_user_error
 def setup(argv=None) -> dict:
-    args = parse_args(argv)
-    if not args.verbose:
+    flags = parse_args(argv)
+    if not flags.verbose:
         silence_libraries()
     check_dir = None
-    if args.fast_dev_run:
-        args, check_dir = fast_dev_run_flags(args)
-    out_dir, created = prepare_out_dir(args.out_dir, resume=args.resume)
+    if flags.fast_dev_run and RUN_DIR_ENV not in os.environ:  # one temporary folder for every process this one starts
+        check_dir = os.environ[RUN_DIR_ENV] = tempfile.mkdtemp(prefix="fabric-template-check-")
+    out_dir, created = prepare_out_dir(flags.out_dir, resume=flags.resume)
     try:
-        loggers = make_loggers(args.logger, out_dir, project=args.tracker_project, resume=bool(args.resume))
-        fabric = build_fabric(accelerator=args.accelerator, devices=args.devices, num_nodes=args.num_nodes,
-                              strategy=args.strategy, precision=args.precision, grad_clip=args.grad_clip,
-                              grad_checkpointing=args.grad_checkpointing, loggers=loggers)   # Fabric step 1
-        launch(fabric)                                                                       # Fabric step 2
+        loggers = make_loggers(flags.logger, out_dir, project=flags.tracker_project, resume=bool(flags.resume))
+        fabric = build_fabric(accelerator=flags.accelerator, devices=flags.devices, num_nodes=flags.num_nodes,
+                              strategy=flags.strategy, precision=flags.precision, grad_clip=flags.grad_clip,
+                              grad_checkpointing=flags.grad_checkpointing, loggers=loggers)  # Fabric step 1
+        launch(fabric)                                                                        # Fabric step 2
         # nodes started apart in time agree on rank 0's folder
         with locked_run_folder(fabric, out_dir) as run_dir, explain_lost_peers(fabric):
-            return main(fabric, args, run_dir)
+            return main(fabric, flags, run_dir)
     finally:
         if created:  # a start that failed before writing anything leaves no folder behind
             remove_if_unused(out_dir)
         if check_dir:  # by the process that made it: the processes it started share it
             shutil.rmtree(check_dir, ignore_errors=True)
             say(f"--fast-dev-run: removed its folder {check_dir}")
-
-
-def fast_dev_run_flags(args) -> tuple:
-    """--fast-dev-run's flags: N optimizer steps, CSV logs only (trackers write elsewhere), in a temporary run folder
-    (the same for every process this one starts), and that folder where this process made it (setup() removes it)."""
-    for flag in ("out_dir", "resume"):
-        if getattr(args, flag):
-            raise UserError(f"--fast-dev-run runs in a temporary folder it removes: drop --{flag.replace('_', '-')}")
-    made = None
-    if RUN_DIR_ENV not in os.environ:
-        made = os.environ[RUN_DIR_ENV] = tempfile.mkdtemp(prefix="fabric-template-check-")
-    flags = {"max_steps": args.fast_dev_run, "logger": "csv", "save_every": None, "val_every": None}
-    return with_values(args, flags), made
 
 
 def cut_splits(spec: TaskSpec, rows: dict[str, int]) -> TaskSpec:
@@ -113,10 +106,10 @@ def cut_splits(spec: TaskSpec, rows: dict[str, int]) -> TaskSpec:
     return dataclasses.replace(spec, datasets=datasets, sizes=sizes, chance_loss=None)
 
 
-def main(fabric, args, out_dir: Path) -> dict:
-    fabric.seed_everything(args.seed)
+def main(fabric, flags, out_dir: Path) -> dict:
+    fabric.seed_everything(flags.seed)
     # before any heavy work: threads beyond the cores, this job's or another's, fight and the run crawls
-    threads = set_threads(args.num_threads, sharing=processes_sharing(fabric, os.sched_getaffinity(0)))
+    threads = set_threads(flags.num_threads, sharing=processes_sharing(fabric, os.sched_getaffinity(0)))
     preemption = Preemption()  # from here on, SIGTERM/SIGUSR1 lead to a checkpoint, not a lost run
     if fabric.device.type == "cuda":  # TF32 matrix products and cuDNN autotuning: free speed on Ampere+ GPUs
         torch.set_float32_matmul_precision("high")
@@ -124,59 +117,66 @@ def main(fabric, args, out_dir: Path) -> dict:
         # cuDNN's attention builds a plan for every new batch shape, and length-grouped batches are nearly all new
         torch.backends.cuda.enable_cudnn_sdp(False)
     env = environment_report(fabric)
-    if args.verbose:
+    if flags.verbose:
         say(json.dumps(env, indent=1))
     with fabric.rank_zero_first(local=True):  # rank 0 of each node prepares the data first; the others read its cache
-        spec: TaskSpec = task.setup(args, verbose=shows_bars(fabric, args.quiet, args.verbose))
-    args = with_values(args, spec.chosen)  # the flags the task decided (what auto detected)
+        spec: TaskSpec = task.setup(flags, verbose=shows_bars(fabric, flags.quiet, flags.verbose))
     for note in spec.notes:
         say(note)
 
-    resume_from = agreed_resume_checkpoint(fabric, args.resume, out_dir / "checkpoints", report=say)
-    model, optimizer, torch_optimizer, flops_of, params = build(fabric, args, spec, pretrained=not resume_from)
-    if args.batch_size == "auto":  # probed on the model and optimizer as set up: wrapped, sharded, with state
-        found = find_batch_size(fabric, model, optimizer, loss_fn=functools.partial(training_loss, spec.objective),
-                                make_batch=lambda rows: spec.example_batch(rows, None, fabric.device))
-        args = with_values(args, {"batch_size": found})  # config.yaml records it
-    per_device = math.ceil(len(spec.datasets["train"]) / fabric.world_size)
-    if args.batch_size > per_device:  # a batch holds what there is: the header and config.yaml say what is used
-        say(f"--batch-size {args.batch_size} is more than the {per_device:,} training rows per device: using "
-            f"{per_device}")
-        args = with_values(args, {"batch_size": per_device})
-    if args.fast_dev_run:  # N batches of each split on every process
-        batches = args.fast_dev_run * fabric.world_size
-        eval_rows = batches * (args.eval_batch_size or 2 * args.batch_size)
-        spec = cut_splits(spec, {"train": batches * args.batch_size * args.grad_accum, "validation": eval_rows,
-                                 "test": eval_rows})
-    if resume_from:  # a requeued job may come back on fewer devices: it continues with the same optimizer steps
-        args = with_values(args, {"grad_accum": keep_rows_per_step(fabric, args, read_record(resume_from))})
-    loaders = make_loaders(fabric, args, spec)
-    steps_per_epoch = math.ceil(len(loaders["train"]) / args.grad_accum)
-    max_steps = args.max_steps or args.epochs * steps_per_epoch
-    if args.lr is None:  # the task's peak for a run this long: longer runs want a lower one
-        args = with_values(args, {"lr": spec.default_lr(max_steps)})
-    warn_if_updates_vanish(fabric.strategy.precision, lr=args.lr)
-    scheduler = build_scheduler(torch_optimizer, args.scheduler, lr=args.lr, max_steps=max_steps, warmup=args.warmup,
-                                min_lr_rate=args.min_lr_rate)
-    rule = best_rule(spec.objective, args.best_metric)
-    state = restore(fabric, args, spec, model, optimizer, scheduler, max_steps, checkpoint=resume_from)
+    resume_from = agreed_resume_checkpoint(fabric, flags.resume, out_dir / "checkpoints", report=say)
+    model, optimizer, torch_optimizer, flops_of, params = build(fabric, flags, spec, pretrained=not resume_from)
+    batch_size = fitting_batch_size(fabric, flags.batch_size, spec, model, optimizer)
+    # a requeued job may come back on fewer devices: it continues with the same optimizer steps
+    grad_accum = keep_rows_per_step(fabric, batch_size, flags.grad_accum, read_record(resume_from)) if resume_from \
+        else flags.grad_accum
+    if flags.fast_dev_run:  # N batches of each split on every process
+        batches = flags.fast_dev_run * fabric.world_size
+        eval_rows = batches * (flags.eval_batch_size or 2 * batch_size)
+        spec = cut_splits(spec, {"train": batches * batch_size * grad_accum, "validation": eval_rows, "test": eval_rows})
+    loaders = make_loaders(fabric, flags, spec, batch_size=batch_size, grad_accum=grad_accum)
+    steps_per_epoch = math.ceil(len(loaders["train"]) / grad_accum)
+    max_steps = flags.max_steps or flags.epochs * steps_per_epoch
+    # every value the run uses, read-only from here on: what the task detected, the batch size and --grad-accum
+    # decided above, and the task's peak --lr for a run this long (longer runs want a lower one) where none was given
+    config = Config(flags, **spec.chosen, batch_size=batch_size, grad_accum=grad_accum,
+                    lr=spec.default_lr(max_steps) if flags.lr is None else flags.lr)
+    warn_if_updates_vanish(fabric.strategy.precision, lr=config.lr)
+    scheduler = build_scheduler(torch_optimizer, config.scheduler, lr=config.lr, max_steps=max_steps,
+                                warmup=config.warmup, min_lr_rate=config.min_lr_rate)
+    rule = best_rule(spec.objective, config.best_metric)
+    state = restore(fabric, config, spec, model, optimizer, scheduler, max_steps, checkpoint=resume_from)
     # only now: bad data, model or checkpoint leave the folder as it was; each resumed segment keeps its own flags
-    save_config(fabric, args, out_dir, resumed_at=state["step"] if resume_from else None, environment=env)
+    save_config(fabric, config, out_dir, resumed_at=state.step if resume_from else None, environment=env)
     save_tracker_ids(fabric, out_dir)  # starts the tracked runs (MLflow, W&B) and keeps their ids for a resume
-    if not args.quiet:
-        say(header(fabric, args, spec, max_steps, steps_per_epoch, out_dir, threads, rule))
+    if not config.quiet:
+        say(header(fabric, config, spec, max_steps, steps_per_epoch, out_dir, threads, rule))
 
-    if fit(fabric, args, state, loaders=loaders, preemption=preemption, ckpt_dir=out_dir / "checkpoints",
-           max_steps=max_steps, steps_per_epoch=steps_per_epoch, flops_of=flops_of, spec=spec, rule=rule):
+    preempted, throughput = fit(fabric, config, state, loaders=loaders, preemption=preemption,
+                                ckpt_dir=out_dir / "checkpoints", max_steps=max_steps, steps_per_epoch=steps_per_epoch,
+                                flops_of=flops_of, spec=spec, rule=rule)
+    if preempted:
         finalize_loggers(fabric.loggers, status="preempted")  # this segment's metrics stay on disk
-        say(f"preempted: saved a checkpoint at step {state['step']}; rerun with --resume auto")
-        preemption.exit(fabric, loaders, out_dir, step=state["step"],  # status EXIT_PREEMPTED (75)
-                        checkpoint=out_dir / "checkpoints" / f"step-{state['step']:06d}")
+        say(f"preempted: saved a checkpoint at step {state.step}; rerun with --resume auto")
+        preemption.exit(fabric, loaders, out_dir, step=state.step,  # status EXIT_PREEMPTED (75)
+                        checkpoint=out_dir / "checkpoints" / f"step-{state.step:06d}")
     preemption.training_ended()
-    results = finish(fabric, args, state, loaders=loaders, out_dir=out_dir, spec=spec,
-                     report={**params, "environment": env})
+    results = finish(fabric, config, state, loaders=loaders, out_dir=out_dir, spec=spec,
+                     report={**throughput, **params, "environment": env})
     preemption.close(fabric, loaders)  # workers, then the process group: nothing left for teardown to trip on
     return results
+
+
+def fitting_batch_size(fabric, batch_size: int | str, spec: TaskSpec, model, optimizer) -> int:
+    """--batch-size, or the largest that fits with ``auto`` (probed on the model and optimizer as set up: wrapped,
+    sharded, with state); at most the training rows per device (the header and config.yaml say what is used)."""
+    if batch_size == "auto":
+        batch_size = find_batch_size(fabric, model, optimizer, loss_fn=functools.partial(training_loss, spec.objective),
+                                     make_batch=lambda rows: spec.example_batch(rows, None, fabric.device))
+    per_device = math.ceil(len(spec.datasets["train"]) / fabric.world_size)
+    if batch_size > per_device:
+        say(f"--batch-size {batch_size} is more than the {per_device:,} training rows per device: using {per_device}")
+    return min(batch_size, per_device)
 
 
 def build(fabric, args, spec: TaskSpec, pretrained: bool):
@@ -215,24 +215,39 @@ def compile_mode(fabric, mode: str) -> str:
 ROWS_PER_STEP = "rows per optimizer step (--batch-size x devices x --grad-accum)"
 
 
-def restore(fabric, args, spec: TaskSpec, model, optimizer, scheduler, max_steps: int, checkpoint: Path | None) -> dict:
+@dataclasses.dataclass
+class TrainState:
+    """What a step checkpoint holds (its fields, by name): the model, optimizer and schedule, and where the run is."""
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    fingerprint: dict  # what a resume must continue (the task's model and data, the optimization), named by flag
+    config: dict
+    rows_per_batch: int  # rows of one batch over all ranks: what batch_in_epoch counts
+    step: int = 0  # optimizer steps taken
+    epoch: int = 0
+    batch_in_epoch: int = 0
+    best_val: dict = dataclasses.field(default_factory=dict)  # the validation results of checkpoints/best
+    train_losses: list = dataclasses.field(default_factory=list)  # every logged loss: a resumed run judges the whole
+
+
+def restore(fabric, config, spec: TaskSpec, model, optimizer, scheduler, max_steps: int,
+            checkpoint: Path | None) -> TrainState:
     """The training state: a fresh one, or ``checkpoint``'s if it continues this run (else a one-line error)."""
-    # what a resume must continue (the task's model and data, the optimization), named by the flags that set it
-    fingerprint = {**spec.meta, "--seed": args.seed, "--optimizer": args.optimizer, "--lr": args.lr,
-                   "--weight-decay": args.weight_decay, "--scheduler": args.scheduler, "--warmup": args.warmup,
-                   "--min-lr-rate": args.min_lr_rate, "--grad-clip": args.grad_clip,
+    fingerprint = {**spec.meta, "--seed": config.seed, "--optimizer": config.optimizer, "--lr": config.lr,
+                   "--weight-decay": config.weight_decay, "--scheduler": config.scheduler, "--warmup": config.warmup,
+                   "--min-lr-rate": config.min_lr_rate, "--grad-clip": config.grad_clip,
                    "optimizer steps (--max-steps, --epochs)": max_steps,
-                   ROWS_PER_STEP: args.batch_size * fabric.world_size * args.grad_accum}
-    rows_per_batch = args.batch_size * fabric.world_size  # what one batch_in_epoch is, over all ranks
-    state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "step": 0, "epoch": 0,
-             "batch_in_epoch": 0, "rows_per_batch": rows_per_batch, "best_val": {}, "fingerprint": fingerprint,
-             "config": vars(args), "train_losses": []}  # every logged loss: a resumed run judges the whole run
+                   ROWS_PER_STEP: config.batch_size * fabric.world_size * config.grad_accum}
+    rows_per_batch = config.batch_size * fabric.world_size
+    state = TrainState(model, optimizer, scheduler, fingerprint=fingerprint, config=vars(config),
+                       rows_per_batch=rows_per_batch)
     if checkpoint:
-        load_checkpoint(fabric, checkpoint, state, expected_fingerprint=fingerprint)
+        load_checkpoint(fabric, checkpoint, vars(state), expected_fingerprint=fingerprint)  # fills it in place
         # the same row of the epoch in this run's batches (other ones, if the number of devices changed)
-        state["batch_in_epoch"] = state["batch_in_epoch"] * state["rows_per_batch"] // rows_per_batch
-        state["rows_per_batch"] = rows_per_batch
-        say(f"resumed from {checkpoint} at step {state['step']}")
+        state.batch_in_epoch = state.batch_in_epoch * state.rows_per_batch // rows_per_batch
+        state.rows_per_batch = rows_per_batch
+        say(f"resumed from {checkpoint} at step {state.step}")
     return state
 
 
@@ -264,7 +279,7 @@ def improves(val: dict, best: dict, metric: str, is_better) -> bool:
     return is_better(val[metric], best.get(metric))
 
 
-def header(fabric, args, spec: TaskSpec, max_steps: int, steps_per_epoch: int, out_dir: Path, threads: str,
+def header(fabric, config, spec: TaskSpec, max_steps: int, steps_per_epoch: int, out_dir: Path, threads: str,
            rule: tuple) -> str:
     """What the run is about to do, in four lines."""
     splits = ", ".join(f"{len(rows):,} {name}" for name, rows in spec.datasets.items())
@@ -273,8 +288,8 @@ def header(fabric, args, spec: TaskSpec, max_steps: int, steps_per_epoch: int, o
         f"data      {splits} rows",
         f"training  {max_steps:,} optimizer steps ({max_steps / steps_per_epoch:.3g} "
         f"epoch{'s' * (max_steps != steps_per_epoch)} of {steps_per_epoch:,}), "
-        f"{args.batch_size * devices * args.grad_accum:,} rows each ({args.batch_size} per device x "
-        f"{devices} device{'s' * (devices > 1)} x --grad-accum {args.grad_accum}), peak --lr {args.lr:.3g}",
+        f"{config.batch_size * devices * config.grad_accum:,} rows each ({config.batch_size} per device x "
+        f"{devices} device{'s' * (devices > 1)} x --grad-accum {config.grad_accum}), peak --lr {config.lr:.3g}",
         f"launch    {devices} {fabric.device.type} process{'es' * (devices > 1)}"
         + (f" on {nodes} nodes" if nodes > 1 else "")
         + f", {type(fabric.strategy).__name__}, precision {fabric.strategy.precision.precision}, {threads} per process",
@@ -282,29 +297,29 @@ def header(fabric, args, spec: TaskSpec, max_steps: int, steps_per_epoch: int, o
         f"{rule[0]} ({rule[1]})"])
 
 
-def keep_rows_per_step(fabric, args, record: dict) -> int:
+def keep_rows_per_step(fabric, batch_size: int, grad_accum: int, record: dict) -> int:
     """The --grad-accum that keeps a checkpoint's rows per optimizer step (so the same rows) on this many devices."""
     written_by, rows = record["world_size"], record["fingerprint"][ROWS_PER_STEP]
     if written_by == fabric.world_size:
-        return args.grad_accum
-    rows_per_batch = args.batch_size * fabric.world_size
+        return grad_accum
+    rows_per_batch = batch_size * fabric.world_size
     if rows % rows_per_batch:
         fix = (f"pass a --batch-size that divides {rows // fabric.world_size}" if rows % fabric.world_size == 0
                else f"resume on a number of devices that divides {rows}")
         raise UserError(f"cannot continue {rows} rows per optimizer step on {fabric.world_size} devices with "
-                        f"--batch-size {args.batch_size}: {fix}")
+                        f"--batch-size {batch_size}: {fix}")
     say(f"resuming with world size {fabric.world_size} instead of {written_by}: --grad-accum "
         f"{rows // rows_per_batch} keeps {rows} rows per optimizer step")
     return rows // rows_per_batch
 
 
-def make_loaders(fabric, args, spec: TaskSpec) -> dict:
+def make_loaders(fabric, flags, spec: TaskSpec, batch_size: int, grad_accum: int) -> dict:
     loaders = make_dataloaders(
-        spec.datasets, spec.collate, spec.sizes, batch_size=args.batch_size,
-        eval_batch_size=args.eval_batch_size or 2 * args.batch_size, world_size=fabric.world_size,
-        rank=fabric.global_rank, seed=args.seed, group_by_length=args.group_by_length,
-        num_workers=default_num_workers(fabric) if args.num_workers is None else args.num_workers,
-        pin_memory=fabric.device.type == "cuda", grad_accum=args.grad_accum)
+        spec.datasets, spec.collate, spec.sizes, batch_size=batch_size,
+        eval_batch_size=flags.eval_batch_size or 2 * batch_size, world_size=fabric.world_size,
+        rank=fabric.global_rank, seed=flags.seed, group_by_length=flags.group_by_length,
+        num_workers=default_num_workers(fabric) if flags.num_workers is None else flags.num_workers,
+        pin_memory=fabric.device.type == "cuda", grad_accum=grad_accum)
     # the samplers already shard rows across ranks; batches reach the loop on the host, where it counts their rows
     # and tokens without reading the device, and fabric.to_device moves them (non-blocking from pinned memory)
     return dict(zip(loaders, fabric.setup_dataloaders(*loaders.values(), use_distributed_sampler=False,
@@ -315,36 +330,36 @@ def training_loss(objective, model, batch: dict) -> torch.Tensor:
     return objective.loss(objective.forward(model, batch), batch)
 
 
-def fit(fabric, args, state, loaders, preemption, ckpt_dir, max_steps, steps_per_epoch, flops_of,
-        spec: TaskSpec, rule: tuple) -> bool:
+def fit(fabric, config, state: TrainState, loaders, preemption, ckpt_dir, max_steps, steps_per_epoch, flops_of,
+        spec: TaskSpec, rule: tuple) -> tuple[bool, dict]:
     """Trains until ``max_steps``, early stopping or preemption (``rule``: best_rule's, which keeps checkpoints/best);
-    returns whether it was preempted."""
-    model, optimizer, scheduler, train_loader = state["model"], state["optimizer"], state["scheduler"], loaders["train"]
+    returns whether it was preempted, and the training throughput."""
+    model, optimizer, scheduler, train_loader = state.model, state.optimizer, state.scheduler, loaders["train"]
     objective = spec.objective
-    progress = Progress(fabric, max_steps, args.quiet, metrics=objective.make_metrics(),
-                        steps_per_epoch=steps_per_epoch, rows_per_step=state["fingerprint"][ROWS_PER_STEP],
-                        start_step=state["step"], chance_loss=spec.chance_loss, losses=state["train_losses"])
-    monitor = Throughput(fabric, args.peak_tflops, flops_of, sized=spec.row_sizes is not None)
-    if args.compile:
-        kinds = batch_kinds(itertools.chain([spec.example_batch(args.batch_size, None, "cpu")], train_loader))
-        warm_up(fabric, model, optimizer, [fabric.to_device(fill_rows(batch, args.batch_size)) for batch in kinds],
+    progress = Progress(fabric, max_steps, config.quiet, metrics=objective.make_metrics(),
+                        steps_per_epoch=steps_per_epoch, rows_per_step=state.fingerprint[ROWS_PER_STEP],
+                        start_step=state.step, chance_loss=spec.chance_loss, losses=state.train_losses)
+    monitor = Throughput(fabric, config.peak_tflops, flops_of, sized=spec.row_sizes is not None)
+    if config.compile:
+        kinds = batch_kinds(itertools.chain([spec.example_batch(config.batch_size, None, "cpu")], train_loader))
+        warm_up(fabric, model, optimizer, [fabric.to_device(fill_rows(batch, config.batch_size)) for batch in kinds],
                 functools.partial(training_loss, objective))
     fabric.barrier()
-    monitor.start(state["step"])
+    monitor.start(state.step)
     stale, preempted, stop = 0, False, False
-    while state["step"] < max_steps and not stop:
-        train_loader.batch_sampler.set_epoch(state["epoch"], start_batch=state["batch_in_epoch"])
-        epoch_batches = state["batch_in_epoch"] + len(train_loader)  # the sampler skips what a resume has done
+    while state.step < max_steps and not stop:
+        train_loader.batch_sampler.set_epoch(state.epoch, start_batch=state.batch_in_epoch)
+        epoch_batches = state.batch_in_epoch + len(train_loader)  # the sampler skips what a resume has done
         for batch in train_loader:
             rows = len(batch["labels"])
             monitor.count(rows, spec.row_sizes(batch) if spec.row_sizes else None)
             # a short last batch takes the others' shape; its filling rows are left out of the loss
-            batch = fabric.to_device(fill_rows(batch, args.batch_size))
+            batch = fabric.to_device(fill_rows(batch, config.batch_size))
             # the micro-batches one optimizer step averages: --grad-accum, fewer at the end of the epoch
-            group_start = state["batch_in_epoch"] - state["batch_in_epoch"] % args.grad_accum
-            group_size = min(args.grad_accum, epoch_batches - group_start)
-            state["batch_in_epoch"] += 1
-            is_last = state["batch_in_epoch"] == group_start + group_size
+            group_start = state.batch_in_epoch - state.batch_in_epoch % config.grad_accum
+            group_size = min(config.grad_accum, epoch_batches - group_start)
+            state.batch_in_epoch += 1
+            is_last = state.batch_in_epoch == group_start + group_size
             with fabric.no_backward_sync(model, enabled=not is_last):  # DDP all-reduces only on the last
                 logits = objective.forward(model, batch)[:rows]
                 loss = objective.loss(logits, first_rows(batch, rows))
@@ -352,42 +367,41 @@ def fit(fabric, args, state, loaders, preemption, ckpt_dir, max_steps, steps_per
             progress.update(loss, logits, batch["labels"][:rows])
             if not is_last:
                 continue
-            if args.grad_clip and clips_in_loop(fabric):  # DeepSpeed clips inside optimizer.step()
+            if config.grad_clip and clips_in_loop(fabric):  # DeepSpeed clips inside optimizer.step()
                 # no error on a non-finite norm: checking it is a sync, and 16-mixed's scaler skips those steps
-                fabric.clip_gradients(model, optimizer, max_norm=args.grad_clip, error_if_nonfinite=False)
+                fabric.clip_gradients(model, optimizer, max_norm=config.grad_clip, error_if_nonfinite=False)
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
-            state["step"] = step = state["step"] + 1
+            state.step = step = state.step + 1
 
-            if step % args.log_every == 0 or step == max_steps:  # the only host-device syncs of the hot loop
-                log_step(fabric, progress, monitor, step, lr=scheduler.get_last_lr()[0], max_lr=args.lr)
+            if step % config.log_every == 0 or step == max_steps:  # the only host-device syncs of the hot loop
+                log_step(fabric, progress, monitor, step, lr=scheduler.get_last_lr()[0], max_lr=config.lr)
             preempted = preemption.agreed(fabric)
-            epoch_ends = state["batch_in_epoch"] == epoch_batches
-            if epoch_ends or (args.val_every and step % args.val_every == 0) or step == max_steps:
+            epoch_ends = state.batch_in_epoch == epoch_batches
+            if epoch_ends or (config.val_every and step % config.val_every == 0) or step == max_steps:
                 with monitor.paused():  # the throughput clock counts training time only
                     val = validate(fabric, model, loaders["validation"], objective=objective, step=step,
-                                   show=progress.note, quiet=args.quiet)
-                    warn_if_stuck(progress, val["loss"], step, max_lr=args.lr)
-                    if improves(val, state["best_val"], metric=rule[0], is_better=rule[2]):
-                        state["best_val"], stale = val, 0  # the best model so far is kept as checkpoints/best
-                        best = {"model": model, "fingerprint": state["fingerprint"], "step": step}
+                                   show=progress.note, quiet=config.quiet)
+                    warn_if_stuck(progress, val["loss"], step, max_lr=config.lr)
+                    if improves(val, state.best_val, metric=rule[0], is_better=rule[2]):
+                        state.best_val, stale = val, 0  # the best model so far is kept as checkpoints/best
+                        best = {"model": model, "fingerprint": state.fingerprint, "step": step}
                         save_checkpoint(fabric, ckpt_dir, "best", best)
                     else:
                         stale += 1
-            stop = preempted or bool(args.early_stop and stale >= args.early_stop)
+            stop = preempted or bool(config.early_stop and stale >= config.early_stop)
             if epoch_ends:
-                state["epoch"], state["batch_in_epoch"] = state["epoch"] + 1, 0
-            if (args.save_every and step % args.save_every == 0) or epoch_ends or stop:
+                state.epoch, state.batch_in_epoch = state.epoch + 1, 0
+            if (config.save_every and step % config.save_every == 0) or epoch_ends or stop:
                 with monitor.paused():
-                    save_checkpoint(fabric, ckpt_dir, f"step-{step:06d}", state, args.keep_last)
+                    save_checkpoint(fabric, ckpt_dir, f"step-{step:06d}", vars(state), config.keep_last)
                     for logger in fabric.loggers:
                         logger.save()  # the metrics up to this checkpoint survive a kill
             if stop or step >= max_steps:
                 break
     progress.close()
-    state["throughput"] = monitor.stop()
-    return preempted
+    return preempted, monitor.stop()
 
 
 def log_step(fabric, progress, monitor, step, lr, max_lr) -> None:
@@ -463,22 +477,22 @@ def gather_rows(fabric, sampler, columns: list[dict]) -> dict:
     return {"row": every.pop("row")[real][order], **{name: value[real][order] for name, value in every.items()}}
 
 
-def finish(fabric, args, state, loaders, out_dir, spec: TaskSpec, report) -> dict:
+def finish(fabric, config, state: TrainState, loaders, out_dir, spec: TaskSpec, report) -> dict:
     """Tests the best model, exports it and writes results.json (with ``report``: what else the run knows)."""
-    model, best = state["model"], out_dir / "checkpoints" / "best" / "state"
+    model, best = state.model, out_dir / "checkpoints" / "best" / "state"
     load_weights(fabric, best, model)
     objective = spec.objective
     test = evaluate(fabric, model, loaders["test"], objective=objective, predict=True,
-                    shown_as=None if args.quiet else "test")
+                    shown_as=None if config.quiet else "test")
     predictions = test.pop("predictions")
     # what training and testing held on each rank, before the export gathers the whole model on rank 0's host
     peaks = peak_memory_per_rank(fabric)
     export_model(fabric, best, out_dir / "model", write=lambda weights, folder: spec.export(weights, model, folder))
-    results = {**{f"val_{k}": v for k, v in state["best_val"].items()}, **{f"test_{k}": v for k, v in test.items()},
-               "train_examples": len(spec.datasets["train"]), "steps": state["step"],
-               "epochs": state["epoch"] + (state["batch_in_epoch"] > 0), "world_size": fabric.world_size,
+    results = {**{f"val_{k}": v for k, v in state.best_val.items()}, **{f"test_{k}": v for k, v in test.items()},
+               "train_examples": len(spec.datasets["train"]), "steps": state.step,
+               "epochs": state.epoch + (state.batch_in_epoch > 0), "world_size": fabric.world_size,
                "precision": fabric.strategy.precision.precision, "strategy": type(fabric.strategy).__name__,
-               **state["throughput"], "peak_memory_mb_per_rank": peaks, **report, "config": vars(args)}
+               "peak_memory_mb_per_rank": peaks, **report, "config": vars(config)}
     finalize_loggers(fabric.loggers)  # flushes metrics.csv, which the plots read; ends the tracked runs
     if fabric.is_global_zero:
         write_predictions(out_dir / "test_predictions.csv",

@@ -230,9 +230,18 @@ def run_config(out_dir: str | None, resume: str | None) -> str | None:
     return None
 
 
-def with_values(args: argparse.Namespace, values: dict) -> argparse.Namespace:
-    """A copy of ``args`` with ``values`` for the flags they name: the parsed flags stay as the user gave them."""
-    return argparse.Namespace(**{**vars(args), **values})
+class Config(argparse.Namespace):
+    """Every value a run uses, read-only: the flags as parsed, with ``decided`` in place of those the run settled
+    itself (what ``auto`` detected, the batch size that fits); ``vars(config)`` is what config.yaml holds."""
+
+    def __init__(self, flags: argparse.Namespace, **decided):
+        for name, value in {**vars(flags), **decided}.items():
+            object.__setattr__(self, name, value)
+
+    def __setattr__(self, name: str, value) -> None:
+        raise AttributeError(f"the run's config is read-only: decide {name} before making it")
+
+    __delattr__ = __setattr__
 
 
 def load_config(path: str, parser: argparse.ArgumentParser) -> dict:

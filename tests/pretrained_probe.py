@@ -87,14 +87,14 @@ fit = train.fit
 
 
 def probed_fit(fabric, args, state, **kwargs):
-    model = state["model"]
+    model = state.model
     found["logits"] = logits_of(found["job"], model, fabric.device)
     found["position_ids"] = all(torch.equal(buffer.cpu(), torch.arange(buffer.shape[-1]).expand_as(buffer.cpu()))
                                 for name, buffer in model.named_buffers() if name.endswith("position_ids"))
     if os.environ.get("PROBE_LR0") == "1":
-        for group in state["optimizer"].param_groups:
+        for group in state.optimizer.param_groups:
             group["lr"] = 0.0
-        state["scheduler"].base_lrs = [0.0] * len(state["scheduler"].base_lrs)
+        state.scheduler.base_lrs = [0.0] * len(state.scheduler.base_lrs)
     return fit(fabric, args, state, **kwargs)
 
 

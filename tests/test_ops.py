@@ -19,7 +19,6 @@ from transformers import PreTrainedTokenizerFast
 
 from conftest import REPO, build_fabric_from_flags, subprocess_env
 from data.demo import LABELS, prepare_demo
-from fabric_utils.args import with_values
 from fabric_utils.speed import Throughput, default_num_workers
 import task
 from task import build_model, load_tokenizer
@@ -36,7 +35,7 @@ def test_compile_is_applied_around_the_ddp_wrapper(monkeypatch):
     fabric.launch()
     try:
         spec = task.setup(args, verbose=False)
-        module = train.build(fabric, with_values(args, spec.chosen), spec, pretrained=True)[0]  # as --compile builds
+        module = train.build(fabric, args, spec, pretrained=True)[0]  # as --compile builds
     finally:
         torch.distributed.destroy_process_group()
     compiled = module._forward_module
