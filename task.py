@@ -29,7 +29,7 @@ from pathlib import Path
 from data import PROBLEM_TYPES
 from fabric_utils.args import dropout, non_negative_int, positive_float, positive_int, probability
 from fabric_utils.errors import UserError, first_line
-from fabric_utils.task_spec import TaskSpec
+from fabric_utils.task_spec import RowLengths, TaskSpec
 
 # --lr's default, by the model's width (hidden size), as each entry is the widest model it covers: its peak for a
 # short run, and the lowest peak a longer run falls to. Smaller encoders fine-tune at larger rates. 384 and below:
@@ -124,11 +124,13 @@ def setup(args: argparse.Namespace, verbose: bool) -> TaskSpec:
                      train_size=args.train_size, val_size=args.val_size, test_size=args.test_size,
                      problem_type=args.problem_type, label_separator=args.label_separator,
                      drop_invalid=args.drop_invalid, text_pair_column=args.text_pair_column)
-    # config.yaml and results.json record what the run trained: the demo's data and model, the draw, what auto chose
-    chosen = {"dataset": dataset, "model": model, "data_seed": data_seed, "problem_type": data.problem_type}
     objective = ClassifierObjective(data.problem_type, num_labels=len(data.label_names), label_names=data.label_names,
                                     class_weights=class_weights(args.class_weights, data))
     from data.tokenize import make_collator
+    from fabric_utils.progress import say
+
+    for note in data.notes:  # what preparing the data did that a user should know
+        say(note)
 
     def build(weights: bool = True) -> torch.nn.Module:
         return build_model(data.model_source, data.label_names, data.problem_type,
@@ -147,17 +149,19 @@ def setup(args: argparse.Namespace, verbose: bool) -> TaskSpec:
         example_batch=example_batch,
         export=lambda weights, model, folder: export(weights, model, data.tokenizer, folder),
         # the demo's model is a cache in each node's own HOME: its folder differs from node to node
-        meta={"model": "--demo" if args.demo else data.model_source, "labels": data.label_names,
+        fingerprint={"model": "--demo" if args.demo else data.model_source, "labels": data.label_names,
               "problem_type": data.problem_type, "--dataset": "--demo" if args.demo else dataset,
               "--max-length": args.max_length, "--train-size": args.train_size, "--data-seed": data_seed,
               **({"--class-weights": args.class_weights} if args.class_weights != "none" else {})},
-        sizes={name: split["length"] for name, split in data.splits.items()}, row_sizes=row_lengths,
-        max_size=args.max_length, notes=data.notes, prediction_table=objective.table,
+        lengths=RowLengths(per_split={name: split["length"] for name, split in data.splits.items()},
+                           in_batch=row_lengths, longest=args.max_length),
         chance_loss={name: objective.chance_loss(data.splits[name]["labels"], fitted_on=data.splits["train"]["labels"])
                      for name in ("train", "validation")},
         default_lr=lambda steps: learning_rate_for(load_model_config(data.model_source), steps, lora=bool(args.lora_r),
                                                    demo=args.demo),
-        chosen=chosen)
+        # config.yaml and results.json record what the run trained: the demo's data and model, the draw, what auto
+        # chose
+        decided_flags={"dataset": dataset, "model": model, "data_seed": data_seed, "problem_type": data.problem_type})
 
 
 def class_weights(choice: str, data: TaskData) -> tuple[float, ...] | None:

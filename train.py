@@ -54,7 +54,7 @@ from torchmetrics import MeanMetric, SumMetric
 from fabric_utils.batch_size import find_batch_size
 from fabric_utils.checkpoint import (agreed_resume_checkpoint, load_checkpoint, load_weights, read_record,
                                      save_checkpoint)
-from fabric_utils.export import export_model
+from fabric_utils.export import export_model, save_weights
 from fabric_utils.launcher import (build_fabric, clips_in_loop, explain_lost_peers, launch, offloads_optimizer,
                                    scales_loss, strategy_checkpoints_blocks, warn_if_updates_vanish)
 from fabric_utils.loaders import fill_rows, first_rows, make_dataloaders
@@ -65,7 +65,7 @@ from fabric_utils.pretrained import build_model, load_pretrained
 from fabric_utils.progress import Progress, counted, say, shows_bars, silence_libraries
 from fabric_utils.run_folder import (RUN_DIR_ENV, environment_report, locked_run_folder, prepare_out_dir,
                                      remove_if_unused, save_config, write_predictions)
-from fabric_utils.sharding import declare_blocks, recompute_blocks, setup_model_and_optimizer
+from fabric_utils.sharding import recompute_blocks, setup_model_and_optimizer
 from fabric_utils.task_spec import TaskSpec
 from fabric_utils.speed import (Throughput, batch_kinds, compile_model, default_num_workers, peak_memory_per_rank,
                                  processes_sharing, training_flops_fn, warm_up)
@@ -101,9 +101,10 @@ def setup(argv=None) -> dict:
 def cut_splits(spec: TaskSpec, rows: dict[str, int]) -> TaskSpec:
     """``spec`` with each split cut to its first ``rows[split]`` rows (--fast-dev-run): whatever the task."""
     datasets = {name: Subset(split, range(min(len(split), rows[name]))) for name, split in spec.datasets.items()}
-    sizes = spec.sizes and {name: [spec.sizes[name][i] for i in range(len(datasets[name]))] for name in spec.sizes}
+    lengths = spec.lengths and dataclasses.replace(spec.lengths, per_split={
+        name: [lengths[i] for i in range(len(datasets[name]))] for name, lengths in spec.lengths.per_split.items()})
     # a run of a few steps is at chance by design: no line saying it did not learn
-    return dataclasses.replace(spec, datasets=datasets, sizes=sizes, chance_loss=None)
+    return dataclasses.replace(spec, datasets=datasets, lengths=lengths, chance_loss=None)
 
 
 def main(fabric, flags, out_dir: Path) -> dict:
@@ -121,8 +122,6 @@ def main(fabric, flags, out_dir: Path) -> dict:
         say(json.dumps(env, indent=1))
     with fabric.rank_zero_first(local=True):  # rank 0 of each node prepares the data first; the others read its cache
         spec: TaskSpec = task.setup(flags, verbose=shows_bars(fabric, flags.quiet, flags.verbose))
-    for note in spec.notes:
-        say(note)
 
     resume_from = agreed_resume_checkpoint(fabric, flags.resume, out_dir / "checkpoints", report=say)
     model, optimizer, torch_optimizer, flops_of, params = build(fabric, flags, spec, pretrained=not resume_from)
@@ -139,7 +138,7 @@ def main(fabric, flags, out_dir: Path) -> dict:
     max_steps = flags.max_steps or flags.epochs * steps_per_epoch
     # every value the run uses, read-only from here on: what the task detected, the batch size and --grad-accum
     # decided above, and the task's peak --lr for a run this long (longer runs want a lower one) where none was given
-    config = Config(flags, **spec.chosen, batch_size=batch_size, grad_accum=grad_accum,
+    config = Config(flags, **spec.decided_flags or {}, batch_size=batch_size, grad_accum=grad_accum,
                     lr=spec.default_lr(max_steps) if flags.lr is None else flags.lr)
     warn_if_updates_vanish(fabric.strategy.precision, lr=config.lr)
     scheduler = build_scheduler(torch_optimizer, config.scheduler, lr=config.lr, max_steps=max_steps,
@@ -184,13 +183,13 @@ def build(fabric, args, spec: TaskSpec, pretrained: bool):
     training step (for MFU) and parameter counts; ``pretrained`` loads the task's values (else a checkpoint will)."""
     # under fsdp, fsdp2 and ZeRO-3 already sharded, filled with the pretrained values after set-up
     model, source = build_model(fabric, spec.build_model, spec.build_skeleton, pretrained=pretrained)
-    model = declare_blocks(model, spec.blocks)
     if args.grad_checkpointing and not strategy_checkpoints_blocks(fabric.strategy):
         recompute_blocks(model)  # FSDP and FSDP2 recompute the blocks they shard themselves
     params = count_parameters(model)
     step_loss = functools.partial(training_loss, spec.objective)
     flops_of = training_flops_fn(  # FLOPs of forward and backward, for MFU
-        model, step_loss, lambda size: spec.example_batch(1, size, "cpu"), max_size=spec.max_size)
+        model, step_loss, lambda size: spec.example_batch(1, size, "cpu"),
+        max_size=spec.lengths.longest if spec.lengths else None)
     if args.compile:  # fabric.setup recompiles it around the strategy's wrapper
         model = compile_model(model, mode=compile_mode(fabric, args.compile_mode))
     # at rate 0: the schedule sets the peak once the run's length, on which the default depends, is known
@@ -234,7 +233,7 @@ class TrainState:
 def restore(fabric, config, spec: TaskSpec, model, optimizer, scheduler, max_steps: int,
             checkpoint: Path | None) -> TrainState:
     """The training state: a fresh one, or ``checkpoint``'s if it continues this run (else a one-line error)."""
-    fingerprint = {**spec.meta, "--seed": config.seed, "--optimizer": config.optimizer, "--lr": config.lr,
+    fingerprint = {**spec.fingerprint, "--seed": config.seed, "--optimizer": config.optimizer, "--lr": config.lr,
                    "--weight-decay": config.weight_decay, "--scheduler": config.scheduler, "--warmup": config.warmup,
                    "--min-lr-rate": config.min_lr_rate, "--grad-clip": config.grad_clip,
                    "optimizer steps (--max-steps, --epochs)": max_steps,
@@ -315,7 +314,7 @@ def keep_rows_per_step(fabric, batch_size: int, grad_accum: int, record: dict) -
 
 def make_loaders(fabric, flags, spec: TaskSpec, batch_size: int, grad_accum: int) -> dict:
     loaders = make_dataloaders(
-        spec.datasets, spec.collate, spec.sizes, batch_size=batch_size,
+        spec.datasets, spec.collate, spec.lengths and spec.lengths.per_split, batch_size=batch_size,
         eval_batch_size=flags.eval_batch_size or 2 * batch_size, world_size=fabric.world_size,
         rank=fabric.global_rank, seed=flags.seed, group_by_length=flags.group_by_length,
         num_workers=default_num_workers(fabric) if flags.num_workers is None else flags.num_workers,
@@ -339,7 +338,7 @@ def fit(fabric, config, state: TrainState, loaders, preemption, ckpt_dir, max_st
     progress = Progress(fabric, max_steps, config.quiet, metrics=objective.make_metrics(),
                         steps_per_epoch=steps_per_epoch, rows_per_step=state.fingerprint[ROWS_PER_STEP],
                         start_step=state.step, chance_loss=spec.chance_loss, losses=state.train_losses)
-    monitor = Throughput(fabric, config.peak_tflops, flops_of, sized=spec.row_sizes is not None)
+    monitor = Throughput(fabric, config.peak_tflops, flops_of, sized=spec.lengths is not None)
     if config.compile:
         kinds = batch_kinds(itertools.chain([spec.example_batch(config.batch_size, None, "cpu")], train_loader))
         warm_up(fabric, model, optimizer, [fabric.to_device(fill_rows(batch, config.batch_size)) for batch in kinds],
@@ -352,7 +351,7 @@ def fit(fabric, config, state: TrainState, loaders, preemption, ckpt_dir, max_st
         epoch_batches = state.batch_in_epoch + len(train_loader)  # the sampler skips what a resume has done
         for batch in train_loader:
             rows = len(batch["labels"])
-            monitor.count(rows, spec.row_sizes(batch) if spec.row_sizes else None)
+            monitor.count(rows, spec.lengths.in_batch(batch) if spec.lengths else None)
             # a short last batch takes the others' shape; its filling rows are left out of the loss
             batch = fabric.to_device(fill_rows(batch, config.batch_size))
             # the micro-batches one optimizer step averages: --grad-accum, fewer at the end of the epoch
@@ -487,7 +486,8 @@ def finish(fabric, config, state: TrainState, loaders, out_dir, spec: TaskSpec, 
     predictions = test.pop("predictions")
     # what training and testing held on each rank, before the export gathers the whole model on rank 0's host
     peaks = peak_memory_per_rank(fabric)
-    export_model(fabric, best, out_dir / "model", write=lambda weights, folder: spec.export(weights, model, folder))
+    export = spec.export or functools.partial(save_weights, fingerprint=spec.fingerprint)
+    export_model(fabric, best, out_dir / "model", write=lambda weights, folder: export(weights, model, folder))
     results = {**{f"val_{k}": v for k, v in state.best_val.items()}, **{f"test_{k}": v for k, v in test.items()},
                "train_examples": len(spec.datasets["train"]), "steps": state.step,
                "epochs": state.epoch + (state.batch_in_epoch > 0), "world_size": fabric.world_size,
@@ -496,7 +496,7 @@ def finish(fabric, config, state: TrainState, loaders, out_dir, spec: TaskSpec, 
     finalize_loggers(fabric.loggers)  # flushes metrics.csv, which the plots read; ends the tracked runs
     if fabric.is_global_zero:
         write_predictions(out_dir / "test_predictions.csv",
-                          spec.prediction_table(predictions) if spec.prediction_table else predictions)
+                          objective.table(predictions) if hasattr(objective, "table") else predictions)
         (out_dir / "results.json").write_text(json.dumps(results, indent=2))
         (out_dir / STATUS_FILE).unlink(missing_ok=True)  # a resumed run that completed is no longer preempted
         plot_metrics(out_dir)

@@ -42,7 +42,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 
 def setup(args: argparse.Namespace, verbose: bool) -> TaskSpec:
-    """The task for these flags: the splits, the model builder, objective and export."""
+    """The task for these flags: the splits, the model builder and the objective."""
     if args.dim % args.heads:
         raise UserError(f"--heads {args.heads} must divide --dim {args.dim}")
     splits, classes = load_splits(args.train_size, args.val_size, args.test_size)
@@ -51,17 +51,16 @@ def setup(args: argparse.Namespace, verbose: bool) -> TaskSpec:
     architecture = dict(patch_size=args.patch_size, dim=args.dim, depth=args.depth, heads=args.heads,
                         num_classes=len(classes), pixel_mean=train_pixels.mean().item(),
                         pixel_std=train_pixels.std().item())
-    config = {"architecture": architecture, "classes": classes}
 
     def example_batch(rows: int, size: int | None, device) -> dict:
         return {"pixels": torch.zeros(rows, IMAGE_SIZE, IMAGE_SIZE, device=device),
                 "labels": torch.zeros(rows, dtype=torch.long, device=device)}
 
+    # the loop's export writes the weights and this fingerprint, all load_exported needs
     return TaskSpec(
         datasets=splits, collate=default_collate, build_model=lambda: ViT(**architecture),
-        objective=DigitsObjective(num_classes=len(classes)),
-        example_batch=example_batch, export=lambda weights, model, folder: export(weights, config, folder),
-        meta=config, blocks=(Block,))
+        objective=DigitsObjective(num_classes=len(classes)), example_batch=example_batch,
+        fingerprint={"architecture": architecture, "classes": classes})
 
 
 @dataclass
@@ -97,7 +96,7 @@ def load_splits(train_size: int | None, val_size: int, test_size: int) -> tuple[
 
 
 class Block(nn.Module):
-    """``x + attention(norm(x))``, then ``x + mlp(norm(x))``: the unit sharded and recomputed (TaskSpec.blocks)."""
+    """``x + attention(norm(x))``, then ``x + mlp(norm(x))``: the unit sharded and recomputed (found in the ModuleList)."""
 
     def __init__(self, dim: int, heads: int):
         super().__init__()
@@ -163,14 +162,6 @@ class DigitsObjective:
         """Each image's digit, the predicted one and its probability."""
         score, predicted = logits.float().softmax(dim=-1).max(dim=-1)
         return {"label": batch["labels"], "predicted": predicted, "score": score}
-
-
-def export(weights: dict, config: dict, folder: Path) -> None:
-    """``model.pt`` and ``config.json``: all ``load_exported`` needs (a mismatch fails here, not a user's load)."""
-    model = ViT(**config["architecture"])
-    model.load_state_dict(weights)
-    torch.save(model.state_dict(), folder / "model.pt")
-    (folder / "config.json").write_text(json.dumps(config, indent=2))
 
 
 def load_exported(folder: str | Path) -> tuple[ViT, list[str]]:

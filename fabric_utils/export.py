@@ -1,5 +1,6 @@
 """Hand over the best model: its full weights, gathered from any strategy's checkpoint, written by the task."""
 
+import json
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -24,6 +25,13 @@ def full_state_dict(state_path: Path) -> dict:
     module = torch.load(module_file, map_location="cpu", weights_only=True, mmap=True)["module"]
     weights.update({name: module[name] for name in module.keys() - weights.keys()})
     return weights
+
+
+def save_weights(weights: dict, model: torch.nn.Module, folder: Path, fingerprint: dict) -> None:
+    """The export of a task that writes none: ``model.pt``, the weights (``torch.load(..., weights_only=True)`` reads
+    them back), and ``config.json``, the task's fingerprint (what defines the model and its outputs)."""
+    torch.save(weights, folder / "model.pt")
+    (folder / "config.json").write_text(json.dumps(fingerprint, indent=2))
 
 
 def export_model(fabric, best_state: Path, out: Path, write: Callable[[dict, Path], None]) -> None:

@@ -22,16 +22,9 @@ def block_classes(model: nn.Module, required: bool = True) -> tuple[type, ...]:
                   {type(block) for blocks in model.modules() if isinstance(blocks, nn.ModuleList) for block in blocks})
     if required and not found:
         raise UserError(f"cannot find the repeated blocks of {type(model).__name__} to shard or recompute one by "
-                        f"one: the task names them in its TaskSpec's blocks; or use --strategy ddp")
+                        f"one: name their class in the model's _no_split_modules (a list of class names, as Hugging "
+                        f"Face models do), or use --strategy ddp")
     return found
-
-
-def declare_blocks(model: nn.Module, blocks: tuple[type, ...]) -> nn.Module:
-    """Names the task's ``blocks`` where FSDP, FSDP2 and activation checkpointing look for them (the strategy was
-    built before the model existed); without them the model's own ``_no_split_modules`` or ``ModuleList``s count."""
-    if blocks:
-        model._no_split_modules = sorted({block.__name__ for block in blocks})
-    return model
 
 
 def recompute_blocks(model: nn.Module) -> None:

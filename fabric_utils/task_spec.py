@@ -4,11 +4,14 @@ and nothing about how the task does it. A task module provides:
 - ``add_args(parser)``: its data and model flags; it may ``parser.set_defaults(...)`` loop flags to its own values.
 - ``TEST_FLAGS``: its flags for a small offline run that learns in about a minute on two CPU cores (``tests/infra``).
 - ``setup(args, verbose) -> TaskSpec``: on every rank, local rank 0 of each node first (it may cache for the others);
-  ``verbose``: progress bars wanted. It leaves ``args`` as parsed and returns what it decides in ``TaskSpec.chosen``.
+  ``verbose``: progress bars wanted. It leaves ``args`` as parsed and returns what it decides in
+  ``TaskSpec.decided_flags``; what it did that a user should know, it says itself (``fabric_utils.progress.say``).
 - ``PRESETS`` (optional): ``{task flag: {loop flag: default}}``, defaults a task flag brings when set.
 - ``predict(folder, file, flags, batch_size)`` (optional, for ``predict.py``): for each row of ``file``, read as the
   run (``flags``: its config.yaml) read its data, the exported model's ``Objective.predict`` columns and a ``"row"``.
 
+The model's repeated blocks, which fsdp and fsdp2 shard and ``--grad-checkpointing`` recomputes one by one, are the
+classes it names in ``_no_split_modules`` (as Hugging Face models do), else the children of its ``nn.ModuleList``s.
 ``build_skeleton``, for a model bigger than one device, is built already sharded under fsdp, fsdp2 and ZeRO-3: it must
 neither read nor initialize its parameters, as rank 0's ``build_model`` (or a resume's checkpoint) fills them by name.
 """
@@ -44,7 +47,16 @@ class Objective(Protocol):
 
     def predict(self, outputs: torch.Tensor, batch: dict) -> dict[str, torch.Tensor]:
         """Each row's columns of ``test_predictions.csv`` (label, prediction, score), as tensors with the rows first
-        (a vector per row becomes one cell), so that the loop can gather them over ranks."""
+        (a vector per row becomes one cell), so that the loop can gather them over ranks. An objective may also
+        have ``table(columns) -> columns``: every test row's, as test_predictions.csv shows them (names beside ids)."""
+
+
+@dataclass(frozen=True)
+class RowLengths:
+    """Rows of different lengths (tokens): what batching groups, throughput counts and FLOPs are counted up to."""
+    per_split: dict[str, Sequence[int]]  # each row's length, per split: training groups similar ones, evaluation sorts
+    in_batch: Callable[[dict], torch.Tensor]  # a batch's real tokens per row, on the host (before it moves: no sync)
+    longest: int  # no row is longer
 
 
 @dataclass
@@ -56,28 +68,24 @@ class TaskSpec:
     # the model to train, weights in any dtype (the loop makes them fp32, then as precision wants); called at most once
     build_model: Callable[[], torch.nn.Module]
     objective: Objective
-    # (rows, row size or None: the largest, device) -> an input batch as the model gets it, to count FLOPs (made of
+    # (rows, row length or None: the longest, device) -> an input batch as the model gets it, to count FLOPs (made of
     # fake tensors) and probe batch sizes
     example_batch: Callable[[int, int | None, torch.device | str], dict]
-    export: Callable[[dict, torch.nn.Module, Path], None]  # (best model's full weights, trained model, folder) -> files
-    meta: dict  # what defines the model and its outputs (source, labels): checkpoints record it, resume compares it
+    # what defines the model and its outputs (source, labels), JSON-able: checkpoints record it, a resume must match it
+    fingerprint: dict
 
-    # optional: each comment ends with the loop's fallback where it has one
-    # each row's size per split (tokens): training groups similar sizes, evaluation sorts; None: plain shuffles
-    sizes: dict[str, Sequence[int]] | None = None
-    # a batch's real tokens per row, from the batch on the host (before it moves: no device read); None: no tokens/s
-    row_sizes: Callable[[dict], torch.Tensor] | None = None
-    max_size: int | None = None  # the largest row size (tokens): FLOPs are fitted up to it; None: rows have one size
-    blocks: tuple[type, ...] = ()  # repeated blocks, sharded and recomputed one by one; (): the model's ModuleLists
+    # optional: each comment ends with the loop's fallback
+    # (best model's full weights, trained model, folder) -> its files; None: model.pt (the weights, torch.save) and
+    # config.json (the fingerprint)
+    export: Callable[[dict, torch.nn.Module, Path], None] | None = None
+    lengths: RowLengths | None = None  # None: every row has one length (plain shuffles, no tokens/s)
     # build_model's architecture alone, fp32, same names, no value read or drawn; None: each rank builds build_model()
     build_skeleton: Callable[[], torch.nn.Module] | None = None
-    notes: list[str] = field(default_factory=list)  # what preparing the data did that a user should know
     # "train", "validation" -> the loss there of the best output that ignores the inputs (fitted on the training rows):
     # a run that ends at it on both is warned; None: no check
     chance_loss: dict[str, float] | None = None
     # optimizer steps -> the peak learning rate when --lr is not given (the run's length is known only after the
     # loaders); None: --lr has a default in the task's flags
     default_lr: Callable[[int], float] | None = None
-    chosen: dict = field(default_factory=dict)  # flag -> value the task chose (what auto detected)
-    # every test row's objective.predict columns -> test_predictions.csv's (label names beside ids); None: as they are
-    prediction_table: Callable[[dict], dict] | None = None
+    # flag -> the value the task settled (what auto detected): config.yaml records it, so a rerun repeats it; None: none
+    decided_flags: dict | None = None

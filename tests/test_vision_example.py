@@ -1,8 +1,11 @@
-"""examples/vision_task.py is a drop-in task.py: in a copy of the repository where it replaces task.py and nothing
-else changes, train.py trains a vision transformer on the digits under fsdp2 (its blocks sharded) on two processes,
-and the export rebuilds, through the example's own load_exported, into a model as accurate as the run said."""
+"""examples/vision_task.py is a drop-in task.py that sets only the contract's required part: in a copy of the
+repository where it replaces task.py and nothing else changes, train.py trains a vision transformer on the digits under
+fsdp2 (its blocks sharded) on two processes, and the export rebuilds, through the example's own load_exported, into a
+model as accurate as the run said."""
 
+import ast
 import csv
+import dataclasses
 import importlib.util
 import json
 import shutil
@@ -13,6 +16,7 @@ import pytest
 import torch
 
 from conftest import REPO, copy_repo, subprocess_env
+from fabric_utils.task_spec import TaskSpec
 
 EXAMPLE = REPO / "examples" / "vision_task.py"
 
@@ -53,3 +57,14 @@ def test_vision_example_trains_under_fsdp2_and_its_export_loads(tmp_path):
     assert [int(row["label"]) for row in predictions] == test.labels.tolist()
     agreed = sum(row["label"] == row["predicted"] for row in predictions) / len(test)
     assert agreed == pytest.approx(results["test_acc"], abs=1e-6)
+
+
+def test_a_task_reads_the_contract_in_minutes():
+    """The contract's required part and optional part are at most six fields each, and the vision example, a whole
+    task, sets only the required ones."""
+    fields = dataclasses.fields(TaskSpec)
+    required = {f.name for f in fields if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+    assert len(required) <= 6 and len(fields) - len(required) <= 6, [f.name for f in fields]
+    calls = [node for node in ast.walk(ast.parse(EXAMPLE.read_text()))
+             if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "TaskSpec"]
+    assert len(calls) == 1 and {keyword.arg for keyword in calls[0].keywords} == required

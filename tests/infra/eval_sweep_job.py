@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import task  # noqa: E402
 from fabric_utils.launcher import build_fabric, end_job  # noqa: E402
 from fabric_utils.loaders import make_dataloaders  # noqa: E402
-from fabric_utils.sharding import declare_blocks, setup_model_and_optimizer  # noqa: E402
+from fabric_utils.sharding import setup_model_and_optimizer  # noqa: E402
 from train import evaluate, parse_args  # noqa: E402
 
 ROWS = (1, 2, 3, 5, 8, 13)
@@ -32,12 +32,12 @@ def main():
     fabric.seed_everything(0)
     with fabric.rank_zero_first(local=True):
         job = task.setup(parse_args([*task.TEST_FLAGS, "--quiet"]), verbose=False)
-    model, _, _ = setup_model_and_optimizer(fabric, declare_blocks(job.build_model(), job.blocks),
+    model, _, _ = setup_model_and_optimizer(fabric, job.build_model(),
                                             lambda module, shapes: torch.optim.SGD(module.parameters(), lr=0.0))
     found = []
     for rows in ROWS:
         splits = dict.fromkeys(("train", "validation", "test"), Subset(job.datasets["validation"], range(rows)))
-        sizes = dict.fromkeys(splits, list(job.sizes["validation"])[:rows]) if job.sizes else None
+        sizes = dict.fromkeys(splits, list(job.lengths.per_split["validation"])[:rows]) if job.lengths else None
         for batch in BATCHES:
             loaders = make_dataloaders(splits, job.collate, sizes, batch_size=batch, eval_batch_size=batch,
                                        world_size=fabric.world_size, rank=fabric.global_rank, seed=0,

@@ -11,6 +11,7 @@ import torch
 import task
 from conftest import REPO, Job, kill_all, resumed_step, run
 from fabric_utils.args import build_parser
+from fabric_utils.sharding import block_classes
 from fabric_utils.speed import count_flops
 from fabric_utils.task_spec import TaskSpec
 from train import flag_parser, parse_args
@@ -25,8 +26,8 @@ def test_the_task_gives_the_loop_what_the_contract_says(job):
     assert isinstance(job, TaskSpec)
     assert {name: len(job.datasets[name]) > 0 for name in ("train", "validation", "test")} == dict.fromkeys(
         ("train", "validation", "test"), True)
-    if job.sizes:
-        assert {name: len(sizes) for name, sizes in job.sizes.items()} == {
+    if job.lengths:
+        assert {name: len(lengths) for name, lengths in job.lengths.per_split.items()} == {
             name: len(dataset) for name, dataset in job.datasets.items()}
     batch = job.collate([job.datasets["train"][i] for i in range(3)])
     assert all(isinstance(value, torch.Tensor) and len(value) == 3 for value in batch.values()), batch.keys()
@@ -38,10 +39,9 @@ def test_the_task_gives_the_loop_what_the_contract_says(job):
     metrics.update(outputs, batch["labels"])
     assert job.objective.best_metric in metrics.compute()
     assert job.objective.is_better(1.0, None)
-    for block in job.blocks:
-        assert any(isinstance(module, block) for module in model.modules())
-    if job.row_sizes:  # real rows only, never more than the longest
-        assert (job.row_sizes(batch) <= job.max_size).all()
+    assert block_classes(model)  # the repeated blocks fsdp and fsdp2 shard and --grad-checkpointing recomputes
+    if job.lengths:  # real rows only, never more than the longest
+        assert (job.lengths.in_batch(batch) <= job.lengths.longest).all()
     # FLOPs are counted on fake tensors: the example batch must run there
     assert count_flops(model, lambda m, b: job.objective.loss(job.objective.forward(m, b), b),
                        [job.example_batch(2, None, "cpu")])[0] > 0

@@ -171,7 +171,7 @@ def test_block_classes_without_no_split_modules_are_those_of_the_layer_list():
                                                                       hidden_dim=16))
     assert not distilbert._no_split_modules
     assert [cls.__name__ for cls in block_classes(distilbert)] == ["TransformerBlock"]
-    with pytest.raises(UserError, match="TaskSpec's blocks"):
+    with pytest.raises(UserError, match="_no_split_modules"):
         block_classes(nn.Linear(2, 2))
 
 
