@@ -7,6 +7,7 @@ import difflib
 import os
 from pathlib import Path
 
+import psutil
 import yaml
 
 from fabric_utils.errors import UserError
@@ -111,8 +112,8 @@ def fabric_run_settings(flags: dict) -> dict:
 def _fabric_run_options() -> dict[str, list[str]]:
     """Each launch setting's values on ``fabric run``'s command line: this process's parent's (torchrun's agent)."""
     try:
-        argv = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode(errors="replace").split("\0")
-    except OSError:
+        argv = psutil.Process(os.getppid()).cmdline()
+    except psutil.Error:  # gone, or not ours to read
         return {}
     values = {}
     for i, word in enumerate(argv):
