@@ -238,7 +238,7 @@ def with_values(args: argparse.Namespace, values: dict) -> argparse.Namespace:
 
 
 def load_config(path: str, parser: argparse.ArgumentParser) -> dict:
-    """The flag values in YAML file ``path``, checked and converted by ``parser`` as the same flags on its command line."""
+    """The flag values in YAML file ``path``, checked and converted by ``parser`` as the same flags given to it."""
     if not os.path.isfile(path):
         raise UserError(f"config file {path} does not exist")
     try:
