@@ -3,10 +3,12 @@ torch or Lightning, so ``--help`` and a bad value answer at once."""
 
 import argparse
 import contextlib
+import copy
 import difflib
 import os
 from pathlib import Path
 
+import psutil
 import yaml
 
 from fabric_utils.errors import UserError
@@ -111,8 +113,8 @@ def fabric_run_settings(flags: dict) -> dict:
 def _fabric_run_options() -> dict[str, list[str]]:
     """Each launch setting's values on ``fabric run``'s command line: this process's parent's (torchrun's agent)."""
     try:
-        argv = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode(errors="replace").split("\0")
-    except OSError:
+        argv = psutil.Process(os.getppid()).cmdline()
+    except psutil.Error:  # gone, or not ours to read
         return {}
     values = {}
     for i, word in enumerate(argv):
@@ -245,7 +247,7 @@ class Config(argparse.Namespace):
 
 
 def load_config(path: str, parser: argparse.ArgumentParser) -> dict:
-    """The flag values in YAML file ``path``, each checked as the same flag on the command line would be."""
+    """The flag values in YAML file ``path``, checked and converted by ``parser`` as the same flags given to it."""
     if not os.path.isfile(path):
         raise UserError(f"config file {path} does not exist")
     try:
@@ -259,22 +261,19 @@ def load_config(path: str, parser: argparse.ArgumentParser) -> dict:
     if unknown := sorted(set(config) - set(actions)):
         raise UserError(f"config file {path} has unknown keys {unknown}")
     config.pop("config", None)
+    flags = []  # the values as the command line gives them, for argparse to check and convert (None: left unset)
     for name, value in config.items():
-        check_config_value(path, actions[name], value)
-    return config
-
-
-def check_config_value(path: str, action: argparse.Action, value) -> None:
-    """A YAML value through the flag's own type and choices (a value of None keeps the flag unset)."""
-    flag = action.option_strings[-1]
+        options, nargs = actions[name].option_strings, actions[name].nargs
+        if nargs == 0 and isinstance(value, bool):  # a switch: on, or off (--no-X where it has one)
+            flags += options[:1] if value else options[1:]
+        elif isinstance(value, list) and nargs in ("+", "*"):
+            flags += [options[0], *map(str, value)]
+        elif value is not None:
+            flags.append(f"{options[0]}={value}")
+    checker = copy.copy(parser)
+    checker.exit_on_error = False  # a bad value raised, to be said with the file's name
     try:
-        if value is None or isinstance(action, (argparse._StoreTrueAction, argparse.BooleanOptionalAction)):
-            if value is not None and not isinstance(value, bool):
-                raise argparse.ArgumentTypeError(f"must be true or false, got {value!r}")
-            return
-        for item in value if action.nargs in ("+", "*") and isinstance(value, list) else [value]:
-            converted = action.type(str(item)) if action.type else item
-            if action.choices is not None and converted not in action.choices:
-                raise argparse.ArgumentTypeError(f"must be one of {', '.join(map(str, action.choices))}, got {item!r}")
-    except (argparse.ArgumentTypeError, ValueError) as err:
-        raise UserError(f"config file {path}: {action.dest}: {err} (as {flag} on the command line)") from err
+        parsed = checker.parse_args(flags)
+    except argparse.ArgumentError as err:
+        raise UserError(f"config file {path}: {err}") from err
+    return {name: None if value is None else getattr(parsed, name) for name, value in config.items()}

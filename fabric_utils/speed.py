@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from lightning.fabric.utilities.data import suggested_max_num_workers
 from lightning.fabric.utilities.throughput import ThroughputMonitor, measure_flops
 from lightning_utilities.core.apply_func import apply_to_collection
 
@@ -24,11 +25,10 @@ from fabric_utils.sharding import full_shape
 
 def default_num_workers(fabric) -> int:
     """Workers only collate (tokenization is done ahead): none on a CPU device, whose cores the model uses; on GPUs up
-    to 4, from the CPUs this process may run on (its affinity), shared with this node's processes, one left to each."""
+    to 4, Lightning's suggestion for the processes sharing this one's CPUs (SLURM binds each task to its own)."""
     if fabric.device.type == "cpu":
         return 0
-    cpus = os.sched_getaffinity(0)
-    return min(4, max(1, len(cpus) // processes_sharing(fabric, cpus) - 1))
+    return min(4, suggested_max_num_workers(processes_sharing(fabric, os.sched_getaffinity(0))))
 
 
 def processes_sharing(fabric, cpus: set[int]) -> int:

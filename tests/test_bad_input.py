@@ -215,7 +215,7 @@ def build_cases(tmp: Path) -> tuple[list, dict]:
         ("out_dir_under_a_file", [*data, "--out-dir", str(tmp / "a_file" / "run")], 2,
          "cannot write to output folder", False),
         ("config_value_checked", [*data, "--config", str(bad_config)], 2,
-         f"config file {bad_config}: lr: must be a positive number, got -1.0 (as --lr on the command line)", False),
+         f"config file {bad_config}: argument --lr: must be a positive number, got -1.0", False),
         ("config_not_yaml", [*data, "--config", str(not_yaml)], 2, f"config file {not_yaml} line 2: not valid YAML",
          False),
         ("devices_beyond_the_cores", [*data, "--accelerator", "cpu", "--devices", "64"], 2,
