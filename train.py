@@ -53,7 +53,7 @@ from torchmetrics import MeanMetric, SumMetric
 
 from fabric_utils.batch_size import find_batch_size
 from fabric_utils.checkpoint import (agreed_resume_checkpoint, load_checkpoint, load_weights, read_record,
-                                     save_checkpoint)
+                                     remove_checkpoint, save_checkpoint)
 from fabric_utils.export import export_model, save_weights
 from fabric_utils.launcher import (build_fabric, clips_in_loop, explain_lost_peers, launch, offloads_optimizer,
                                    scales_loss, strategy_checkpoints_blocks, warn_if_updates_vanish)
@@ -477,9 +477,14 @@ def gather_rows(fabric, sampler, columns: list[dict]) -> dict:
 
 
 def finish(fabric, config, state: TrainState, loaders, out_dir, spec: TaskSpec, report) -> dict:
-    """Tests the best model, exports it and writes results.json (with ``report``: what else the run knows)."""
-    model, best = state.model, out_dir / "checkpoints" / "best" / "state"
-    load_weights(fabric, best, model)
+    """Tests the best model, exports it and writes results.json (with ``report``: what else the run knows); then
+    removes checkpoints/best, whose weights model/ holds, unless --keep-best-checkpoint."""
+    model, best, results_file = state.model, out_dir / "checkpoints" / "best", out_dir / "results.json"
+    if not best.exists() and results_file.exists():  # a resume of this finished run found no better model
+        finalize_loggers(fabric.loggers)
+        say(f"the best model is still {out_dir}/model, tested in results.json when the run first finished")
+        return json.loads(results_file.read_text())
+    load_weights(fabric, best / "state", model)
     objective = spec.objective
     test = evaluate(fabric, model, loaders["test"], objective=objective, predict=True,
                     shown_as=None if config.quiet else "test")
@@ -487,7 +492,8 @@ def finish(fabric, config, state: TrainState, loaders, out_dir, spec: TaskSpec, 
     # what training and testing held on each rank, before the export gathers the whole model on rank 0's host
     peaks = peak_memory_per_rank(fabric)
     export = spec.export or functools.partial(save_weights, fingerprint=spec.fingerprint)
-    export_model(fabric, best, out_dir / "model", write=lambda weights, folder: export(weights, model, folder))
+    export_model(fabric, best / "state", out_dir / "model",
+                 write=lambda weights, folder: export(weights, model, folder))
     results = {**{f"val_{k}": v for k, v in state.best_val.items()}, **{f"test_{k}": v for k, v in test.items()},
                "train_examples": len(spec.datasets["train"]), "steps": state.step,
                "epochs": state.epoch + (state.batch_in_epoch > 0), "world_size": fabric.world_size,
@@ -497,8 +503,10 @@ def finish(fabric, config, state: TrainState, loaders, out_dir, spec: TaskSpec, 
     if fabric.is_global_zero:
         write_predictions(out_dir / "test_predictions.csv",
                           objective.table(predictions) if hasattr(objective, "table") else predictions)
-        (out_dir / "results.json").write_text(json.dumps(results, indent=2))
+        results_file.write_text(json.dumps(results, indent=2))
         (out_dir / STATUS_FILE).unlink(missing_ok=True)  # a resumed run that completed is no longer preempted
+        if not config.keep_best_checkpoint:  # every rank has read it: export_model ends in a barrier
+            remove_checkpoint(best)
         plot_metrics(out_dir)
     say(f"test {objective.best_metric} {test[objective.best_metric]:.4f} on {test['examples']} rows; results in "
         f"{out_dir}/results.json, each row's prediction in test_predictions.csv")

@@ -187,6 +187,8 @@ def build_parser(description: str) -> argparse.ArgumentParser:
                    "N validations in a row (the best model is still tested and exported)")
     g.add_argument("--save-every", type=positive_int, help="also checkpoint every N optimizer steps")
     g.add_argument("--keep-last", type=positive_int, default=2, help="keep this many newest step checkpoints")
+    g.add_argument("--keep-best-checkpoint", action="store_true", help="keep checkpoints/best once the run has "
+                   "finished (removed by default: model/ holds the same weights, in the task's export format)")
     g.add_argument("--resume", help="auto: continue from the newest checkpoint in --out-dir (fresh start if none), "
                    "with the flags of its config.yaml unless --config is given; or a checkpoint folder")
     g.add_argument("--logger", default="csv", help="comma list of csv, tensorboard, mlflow, wandb (the CSV log is "

@@ -86,6 +86,14 @@ def save_checkpoint(fabric, root: Path, tag: str, state: dict, keep_last: int | 
     return final
 
 
+def remove_checkpoint(path: Path) -> None:
+    """Removes checkpoint folder ``path`` (every shard): renamed first, so a kill midway leaves it whole or gone."""
+    trash = path.with_name(f".tmp-{path.name}")  # what save_checkpoint clears before writing ``path`` again
+    shutil.rmtree(trash, ignore_errors=True)
+    path.rename(trash)
+    shutil.rmtree(trash)
+
+
 def with_loss_scaler(fabric, state: dict) -> dict:
     """``state`` plus, under 16-mixed, the loss scaler Fabric leaves out: a resume at the first scale would skip steps
     the uninterrupted run took (DeepSpeed keeps its own)."""

@@ -103,8 +103,7 @@ def test_offload_trains_saves_and_loads_on_two_cpu_processes(tmp_path, strategy)
     assert (results["val_examples"], results["test_examples"]) == (101, 201)  # every row once, none twice
     if "stage_3" in strategy:
         return
-    for later in ("checkpoints/best", "model"):  # the run cut back to its step-3 checkpoint, its newest
-        shutil.rmtree(tmp_path / later)
+    shutil.rmtree(tmp_path / "model")  # the run cut back to its step-3 checkpoint, its newest
     (tmp_path / "results.json").unlink()
     resumed = run([sys.executable, "train.py", *flags, "--max-steps", "5", "--resume", "auto"], deepspeed_cpu=True)
     assert "resumed from" in resumed.stdout and "step 3" in resumed.stdout

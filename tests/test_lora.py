@@ -27,9 +27,11 @@ COMPARED = ("val_loss", "test_loss", "trainable_params", "total_params")
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """One process, 16 rows per step; checkpoints at steps 3 and 6. Its results and what it wrote on stderr."""
+    """One process, 16 rows per step; checkpoints at steps 3 and 6, and the best one kept. Its results and what it
+    wrote on stderr."""
     out = tmp_path_factory.mktemp("lora") / "one"
-    done = run([sys.executable, "train.py", *EXACT, "--batch-size", "16", "--out-dir", str(out)])
+    done = run([sys.executable, "train.py", *EXACT, "--batch-size", "16", "--keep-best-checkpoint",
+                "--out-dir", str(out)])
     return out, json.loads((out / "results.json").read_text()), done.stderr
 
 
@@ -58,7 +60,7 @@ def test_lora_trains_a_small_part_and_exports_a_plain_model_with_the_adapters_me
     model, info = AutoModelForSequenceClassification.from_pretrained(exported, output_loading_info=True)
     assert not any(info.values()), info  # every weight has its plain name: no lora_, base_layer, modules_to_save
 
-    # the trained model, as the best checkpoint holds it: the frozen model plus adapters
+    # the trained model, as the best checkpoint (kept: --keep-best-checkpoint) holds it: the frozen model plus adapters
     trained = task.build_model(str(task.DEMO_ROOT / "model"), ["negative", "positive"], "single_label",
                                attention_dropout=0.0, hidden_dropout=0.0, lora_r=8)
     trained.load_state_dict(torch.load(out / "checkpoints" / "best" / "state", weights_only=True)["model"])

@@ -35,9 +35,10 @@ def runs(tmp_path_factory) -> dict[str, tuple[Path, dict]]:
     with pytest.MonkeyPatch.context() as patch:
         for name, value in ALLOCATOR.items():
             patch.setenv(name, value)
+        # the best checkpoint kept: the fp32 test reads it
         return {strategy: (folder / strategy, train([*JOB, "--dataset", data, "--model", model, "--strategy",
-                                                     strategy, "--lora-r", "8"], folder / strategy,
-                                                    deepspeed_cpu=strategy.startswith("deepspeed")))
+                                                     strategy, "--lora-r", "8", "--keep-best-checkpoint"],
+                                                    folder / strategy, deepspeed_cpu=strategy.startswith("deepspeed")))
                 for strategy in ("ddp", "fsdp2", "deepspeed_stage_3")}
 
 

@@ -107,6 +107,22 @@ def test_a_resume_from_the_folder_refuses_a_flag_that_changes_the_run(runs):
     assert (out_dir / "results.json").read_bytes() == before
 
 
+def test_a_resume_of_a_finished_run_keeps_its_model_and_results(runs):
+    """A finished run keeps no checkpoints/best (model/ holds its weights): resumed, it has no step left to take and
+    leaves model/ and results.json as they were."""
+    jobs, _ = runs
+    jobs["killed_resume"].results()
+    out_dir = jobs["killed_resume"].out_dir
+    kept = ("results.json", "model/model.safetensors")
+    before = [(out_dir / name).read_bytes() for name in kept]
+    done = subprocess.run([sys.executable, "train.py", "--out-dir", str(out_dir), "--resume", "auto"],
+                          cwd=Path(__file__).resolve().parents[1], env=subprocess_env(), capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"the best model is still {out_dir}/model" in done.stdout, done.stdout[-3000:]
+    assert [(out_dir / name).read_bytes() for name in kept] == before
+
+
 def logged_losses(job: Job) -> list[float]:
     final = job.out_dir / "checkpoints" / f"step-{MAX_STEPS:06d}" / "state"
     losses = torch.load(final, weights_only=True)["train_losses"]
@@ -128,7 +144,7 @@ def test_keep_last_prunes_older_step_checkpoints(runs):
     jobs, _ = runs
     jobs["full"].results()
     assert step_dirs(jobs["full"].out_dir) == ["step-000090", "step-000100"]  # --keep-last 2 (the default)
-    assert (jobs["full"].out_dir / "checkpoints" / "best" / "state").is_file()
+    assert not (jobs["full"].out_dir / "checkpoints" / "best").exists()  # model/ holds its weights
     assert not list((jobs["full"].out_dir / "checkpoints").glob(".*")), "temporary folders were left behind"
 
 

@@ -25,7 +25,7 @@ from fabric_utils.safe_pickle import load_torch_file
 
 TINY = ["--demo", "--train-size", "64", "--val-size", "16", "--test-size", "16", "--batch-size", "8",
         "--max-length", "32", "--max-steps", "2", "--save-every", "1", "--quiet", "--num-workers", "0",
-        "--accelerator", "cpu"]
+        "--accelerator", "cpu", "--keep-best-checkpoint"]
 TWO = ["--devices", "2", "--strategy"]
 STRATEGIES = {"single": ([], {}), "ddp": ([*TWO, "ddp"], {}), "fsdp2": ([*TWO, "fsdp2"], {}),
               "fsdp": ([*TWO, "fsdp"], {"FABRIC_TEMPLATE_FSDP_CPU": "1"}),

@@ -30,8 +30,10 @@ def test_demo_learns_and_leaves_a_complete_run_folder(tmp_path):
     assert results["test_examples"] == 1000 and results["world_size"] == 1
     assert results["val_examples"] + results["train_examples"] == 4000
     for name in ("config.yaml", "loss.png", "acc.png", "logs/version_0/metrics.csv", "model/config.json",
-                 "model/tokenizer.json", "checkpoints/best/state"):
+                 "model/tokenizer.json", "model/model.safetensors"):
         assert (tmp_path / name).exists(), name
+    # one copy of the best weights, model/'s: checkpoints/best went once the run had finished
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == [f"step-{results['steps']:06d}"]
     assert {"train_tokens_per_s", "train_samples_per_s", "peak_memory_mb_per_rank", "train_time_s", "environment",
             "config"} <= set(results)
     assert json.loads((tmp_path / "model" / "config.json").read_text())["id2label"] == {"0": "negative",
