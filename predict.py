@@ -44,10 +44,12 @@ def main(argv=None) -> Path:
     if not isinstance(flags, dict):
         raise UserError(f"{args.run / 'config.yaml'} holds no flags: pass the folder of a run train.py wrote")
     flags.update({name: value for name in ("text_column", "text_pair_column") if (value := getattr(args, name))})
+    # here: the libraries load only for a valid command
+    from fabric_utils.progress import silence_libraries
+    from fabric_utils.run_folder import write_predictions
+
+    silence_libraries()
     columns = task.predict(args.run / "model", args.file, flags, batch_size=args.batch_size)
-
-    from fabric_utils.run_folder import write_predictions  # here: the libraries load only for a valid command
-
     write_predictions(out, columns)
     print(f"{len(columns['row'])} predictions in {out}")
     return out

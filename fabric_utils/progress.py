@@ -25,6 +25,10 @@ def silence_libraries() -> None:
                             module="lightning.fabric.plugins.environments.slurm")
     warnings.filterwarnings("ignore", message="torch.distributed.nn.functional.all_gather is deprecated",
                             module="lightning.fabric.utilities.distributed")
+    # torchao (fp8-mixed), which transformers imports wherever it is installed, lists the kernels this torch cannot
+    # load, and registers types in a way torch calls deprecated
+    logging.getLogger("torchao").setLevel(logging.ERROR)
+    logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
     # DeepSpeed (imported by transformers' save_pretrained through accelerate) guesses the accelerator aloud
     logging.getLogger("DeepSpeed").addFilter(lambda record: "Setting accelerator to" not in record.getMessage())
 
