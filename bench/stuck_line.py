@@ -26,14 +26,17 @@ LOOP_FLAGS = {action.dest for action in build_parser("")._actions}
 DRAW_FLAGS = sorted({action.dest for action in flag_parser()._actions} - LOOP_FLAGS | {"seed"})
 
 
-def judge(run: Path, task_cache: dict) -> dict:
-    """One run's row: its losses as shares of chance, its test metric and whether the line is said."""
+def judge(run: Path, task_cache: dict) -> dict | None:
+    """One run's row: its losses as shares of chance, its test metric and whether the line is said; None where its
+    task gives no chance level (``chance_loss`` is optional), as train.py then says no line either."""
     args = parse_args(["--config", str(run / "config.yaml")])
     draw = repr([getattr(args, flag) for flag in DRAW_FLAGS])
     if draw not in task_cache:  # the same rows, the same chance: load and tokenize each draw once
         spec = task.setup(args, verbose=False)
         task_cache[draw] = spec.chance_loss, f"test_{spec.objective.best_metric}"
     chance, metric = task_cache[draw]
+    if chance is None:
+        return None
     logged = read_metrics(run)
     train_losses, val_losses = logged["train/loss"].dropna().tolist(), logged["val/loss"].dropna().tolist()
     results = json.loads((run / "results.json").read_text())
@@ -49,9 +52,11 @@ def main() -> None:
     runs = sorted({log.parents[2] for folder in args.folders for log in folder.rglob("logs/version_*/metrics.csv")
                    if (log.parents[2] / "results.json").exists()})
     cache = {}
-    rows = sorted((judge(run, cache) for run in runs), key=lambda row: row["train"])
+    rows = sorted(filter(None, (judge(run, cache) for run in runs)), key=lambda row: row["train"])
     print(f"the line needs training ≥ {STUCK_WITHIN['train']:.0%} and validation ≥ {STUCK_WITHIN['validation']:.0%} "
-          f"of chance; {sum(row['said'] for row in rows)} of {len(rows)} runs get it\n")
+          f"of chance; {sum(row['said'] for row in rows)} of {len(rows)} runs get it"
+          + (f" ({len(runs) - len(rows)} runs left out: their task gives no chance level)" if len(rows) < len(runs)
+             else "") + "\n")
     print("| run | peak lr | training ÷ chance | validation ÷ chance | test | line |")
     print("|---|---|---|---|---|---|")
     for row in rows:
