@@ -26,7 +26,6 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from data import PROBLEM_TYPES
 from fabric_utils.args import dropout, non_negative_int, positive_float, positive_int, probability
 from fabric_utils.errors import UserError, first_line
 from fabric_utils.task_spec import RowLengths, TaskSpec
@@ -64,7 +63,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--text-pair-column", help="each row's second text, for sentence-pair tasks (NLI, paraphrase, "
                    "question-answer relevance): the two texts are tokenized as one pair, as the model expects")
     g.add_argument("--label-column", default="label")
-    g.add_argument("--problem-type", choices=("auto", *PROBLEM_TYPES), default="auto",
+    g.add_argument("--problem-type", choices=("auto", *HF_PROBLEM_TYPES), default="auto",
                    help="auto: from the train split's labels: lists (or strings with --label-separator) are "
                         "multi_label, numbers with fractions regression, integers and strings single_label")
     g.add_argument("--label-separator", help="multi_label: split each string label on this, e.g. ',' or '|'")

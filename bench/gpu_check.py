@@ -30,6 +30,7 @@ the steady window (its samples/s), then 10 steps under torch.profiler: GPU-busy 
 syncs per step, and the FLOPs of the matrix products it saw, over padded tokens (MFU, padded; CUDA graphs hide them).
 MFU over real tokens and the recompiles after warm-up are train.py's own (results.json).
 ``--dry-run`` runs the CUDA-only paths through the tests' CPU shims (tests/shims: DeepSpeed, fp16) on CPU processes.
+Every row is the text task as shipped (its flags, and the offline demo's rows from data/demo.py).
 """
 
 import argparse

@@ -10,6 +10,10 @@ or LoRA (--lora-r, the template's adapters), as train.py reads them.
 Writes ``results.json`` with the keys run_bench.py reads from train.py's results (``mfu`` is not measured here).
 The training clock is the sum of the epochs' own times (data loading and steps), so the validation and the checkpoint
 after each epoch are not in it, as train.py's throughput clock leaves out its validations and checkpoints.
+
+It is the text task's own peer, so it imports task.py's and data/'s internals (the model builder, the objective, the
+learning-rate rule, loading and tokenizing): it runs while task.py is the text task as shipped. The rest of bench/
+reaches a task through the contract (fabric_utils/task_spec.py) or through train.py's flags.
 """
 
 import argparse

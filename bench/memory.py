@@ -17,6 +17,9 @@ target fp32 model bytes / ranks + the largest shard unit + 150 MB. ``--before DI
 ``git worktree`` of an earlier commit) for comparison:
 
     python bench/memory.py --stage build-load --layers 12 --hidden 768 --before /tmp/before
+
+It measures the text task as shipped: its models are Hugging Face text classifiers beside the offline demo's
+tokenizer, and its rows the demo's (data/demo.py).
 """
 
 import argparse

@@ -21,6 +21,8 @@ Draws: the seed picks the rows. train.py carves the validation rows from IMDB's 
 by seed), draws ``--train-size`` rows from the rest and ``--test-size`` from the test split, all by seed: every
 configuration run on one seed sees the same rows, and a different --val-size gives different training rows for the
 same seed. The report records a fingerprint of each draw's rows.
+
+It studies the text task as shipped: its flags, and the fingerprint reads the rows with data/sources.py's loader.
 """
 
 import argparse

@@ -16,7 +16,7 @@ from fabric_utils.launcher import end_job
 from fabric_utils.private import _SubprocessScriptLauncher, stop_workers
 
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "try again later"
-STATUS_FILE = "preempted.txt"  # in --out-dir; scripts/requeue.sh reads it
+STATUS_FILE = "preempted.txt"  # in --out-dir; scripts/slurm.sbatch reads it
 
 
 class Preemption:

@@ -60,3 +60,21 @@ def test_a_study_reruns_a_run_its_stop_cut_short(tmp_path, monkeypatch):
                         lambda cmd, out: folders_at_start.append(sorted(out.glob("*"))) or {"failed": 1})
     assert study.run_one("default", 1, 1, 600, args) == {"failed": 1}
     assert folders_at_start == [[]]
+
+
+def test_reading_list_follows_every_kind_of_import_into_fabric_utils(tmp_path):
+    """A submodule named in ``from fabric_utils import``, a relative import, and the package's ``__init__.py``, which
+    Python runs first; a module nothing imports is not read."""
+    from bench.reading_list import reached_files
+
+    package = tmp_path / "fabric_utils"
+    package.mkdir()
+    (tmp_path / "train.py").write_text("import torch\nfrom fabric_utils import loaders\n")
+    (package / "__init__.py").write_text("from .optim import build_optimizer\n")
+    (package / "loaders.py").write_text("from . import errors\n")
+    for name in ("optim", "errors", "unused"):
+        (package / f"{name}.py").write_text("")
+    found = reached_files(tmp_path, tmp_path / "train.py")
+    assert sorted(path.relative_to(tmp_path).as_posix() for path in found) == [
+        "fabric_utils/__init__.py", "fabric_utils/errors.py", "fabric_utils/loaders.py", "fabric_utils/optim.py",
+        "train.py"]

@@ -3,6 +3,7 @@
 the same world size on one node. Skipped where SLURM is not installed (CI installs it) or namespaces cannot be made."""
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -28,10 +29,24 @@ from test_resilience import COMPARED, TINY
     (0, True, False),
 ])
 def test_requeue_decision(tmp_path, status, status_file, requeue):
-    if status_file:
-        (tmp_path / STATUS_FILE).write_text(f"preempted at step 80, checkpoint {tmp_path}/step-000080\n")
-    decided = subprocess.run(["bash", "scripts/requeue.sh", str(status), str(tmp_path)], cwd=REPO)
-    assert decided.returncode == (0 if requeue else 1)
+    """scripts/slurm.sbatch itself, with srun standing in for the run (its status, and preempted.txt if it saved a
+    checkpoint) and scontrol recording a requeue."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    saved = f'echo "preempted at step 80" > "$OUT_DIR/{STATUS_FILE}"\n' if status_file else ""
+    (bin_dir / "srun").write_text(f"#!/bin/sh\n{saved}exit {status}\n")
+    (bin_dir / "scontrol").write_text('#!/bin/sh\necho "$@" > "$OUT_DIR/scontrol.txt"\n')
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / STATUS_FILE).write_text("an earlier run's\n")  # only this run's preemption may requeue it
+    env = {**subprocess_env(), "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT_DIR": str(out), "SLURM_JOB_ID": "7",
+           "SLURM_CPUS_PER_TASK": "8"}
+    done = subprocess.run(["bash", "scripts/slurm.sbatch"], cwd=REPO, env=env)
+    assert done.returncode == status
+    requeued = out / "scontrol.txt"
+    assert (requeued.read_text() if requeued.exists() else None) == ("requeue 7\n" if requeue else None)
 
 
 @pytest.fixture(scope="module")

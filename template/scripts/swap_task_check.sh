@@ -1,1 +1,0 @@
-../../scripts/swap_task_check.sh

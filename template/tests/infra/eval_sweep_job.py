@@ -1,0 +1,1 @@
+../../../tests/infra/eval_sweep_job.py

@@ -1,0 +1,1 @@
+../../../tests/infra/test_any_task.py
