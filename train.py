@@ -10,7 +10,7 @@ The task is task.py, whose setup() gives a `TaskSpec` (fabric_utils/task_spec.py
 """
 
 import task
-from fabric_utils.args import Config, build_parser, parse_flags
+from fabric_utils.args import FP8, Config, build_parser, parse_flags
 from fabric_utils.errors import UserError, exit_on_user_error
 
 
@@ -55,6 +55,7 @@ from fabric_utils.batch_size import find_batch_size
 from fabric_utils.checkpoint import (agreed_resume_checkpoint, load_checkpoint, load_weights, read_record,
                                      remove_checkpoint, save_checkpoint)
 from fabric_utils.export import export_model, save_weights
+from fabric_utils.fp8 import convert_to_float8
 from fabric_utils.launcher import (build_fabric, clips_in_loop, explain_lost_peers, launch, offloads_optimizer,
                                    scales_loss, strategy_checkpoints_blocks, warn_if_updates_vanish)
 from fabric_utils.loaders import fill_rows, first_rows, make_dataloaders
@@ -190,6 +191,8 @@ def build(fabric, args, spec: TaskSpec, pretrained: bool):
     flops_of = training_flops_fn(  # FLOPs of forward and backward, for MFU
         model, step_loss, lambda size: spec.example_batch(1, size, "cpu"),
         max_size=spec.lengths.longest if spec.lengths else None)
+    if args.precision == FP8:  # before compiling and set-up, which wrap the float8 layers as any other
+        convert_to_float8(model)
     if args.compile:  # fabric.setup recompiles it around the strategy's wrapper
         model = compile_model(model, mode=compile_mode(fabric, args.compile_mode))
     # at rate 0: the schedule sets the peak once the run's length, on which the default depends, is known

@@ -15,7 +15,8 @@ Rows, the cheapest and most important first, each written as it finishes:
   offline demo's data (or ``--dataset``): 32-true, bf16-mixed, 16-mixed (the steps its loss scaler skipped) and
   bf16-mixed with ``--compile``; the first 20 steps' losses of each against 32-true's.
 - one GPU, random weights at length 512 (the article's padding): a DistilBERT-shaped and a BERT-large-shaped model,
-  throughput and MFU per precision, and the batch ``--batch-size auto`` finds.
+  throughput and MFU per precision, and the batch ``--batch-size auto`` finds; then the BERT-large shape compiled in
+  bf16-mixed and in fp8-mixed (torchao's float8, on GPUs of compute capability 8.9+), its losses against bf16's.
 - bigger than one device (2+ GPUs): each GPU's memory capped (``torch.cuda.set_per_process_memory_fraction``, by
   ``bench/gpu_cap/sitecustomize.py``) at three quarters of the BERT-large shape's training state (16 bytes a
   parameter): ddp should run out of memory, fsdp, fsdp2 and ZeRO-3 finish; then at three quarters of its fp32 weights
@@ -53,10 +54,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from data.demo import prepare_demo  # noqa: E402
-from fabric_utils.args import positive_float  # noqa: E402
+from fabric_utils.args import FP8, positive_float  # noqa: E402
 
 DEMO = Path.home() / ".cache" / "fabric-template" / "demo"
-SHIMS = {"FABRIC_TEMPLATE_DEEPSPEED_CPU": "1", "FABRIC_TEMPLATE_FP16_CPU": "1", "FABRIC_TEMPLATE_FSDP_CPU": "1"}
+SHIMS = {"FABRIC_TEMPLATE_DEEPSPEED_CPU": "1", "FABRIC_TEMPLATE_FP16_CPU": "1", "FABRIC_TEMPLATE_FSDP_CPU": "1",
+         "FABRIC_TEMPLATE_FP8_CPU": "1"}
 MINILM = "one GPU: all-MiniLM-L6-v2, pretrained"
 FIRST_STEPS = 20  # the losses compared with 32-true's
 ROW_TIMEOUT_S = 900  # a run that hangs (a collective waiting on a dead rank) is ended and reported
@@ -66,8 +68,9 @@ PEERS = "peers, same call"
 HF_PEER = "Hugging Face Trainer, bf16, torch_compile"
 RASCHKA = "Raschka's recipe: DistilBERT-shaped, fp16 AMP, padded to 512, batch 16"
 # the rows the dry run runs, one of each kind: the others would repeat the same code path on a CPU
+FP8_ROW = f"BERT-large-shaped, {FP8} --compile"
 DRY_RUN_ROWS = {"32-true", "bf16-mixed", "16-mixed", "DistilBERT-shaped, bf16-mixed, --batch-size auto", "ddp",
-                HF_PEER, RASCHKA}
+                HF_PEER, RASCHKA, FP8_ROW}
 # bench/profile_steps.py's window: optimizer steps skipped, timed (the last of them steady) and profiled
 GPU_WINDOW = {"--skip": 20, "--timed": 50, "--steady": 30, "--profiled": 10}
 DRY_WINDOW = {"--skip": 1, "--timed": 3, "--steady": 2, "--profiled": 2}
@@ -135,6 +138,7 @@ class Row:
     results: dict = field(default_factory=dict)
     notes: list = field(default_factory=list)
     first_losses: list = field(default_factory=list)
+    losses_against: str = ""  # the row of the same section whose first losses these are compared with
     steady_samples_per_s: float | None = None
     profile: dict = field(default_factory=dict)  # bench/profile_steps.py's measures
     ok: bool = True  # measured as expected
@@ -235,7 +239,7 @@ def plan(args, sizes: Sizes, work: Path) -> list[Row]:
     job = ["--model", str(model), "--dataset", str(data), *sizes.minilm, *one]
     for name, flags in [("32-true", ["--precision", "32-true"]), ("bf16-mixed", ["--precision", "bf16-mixed"]),
                         ("16-mixed", ["--precision", "16-mixed"])]:
-        row = Row(section, name, [*job, *flags])
+        row = Row(section, name, [*job, *flags], losses_against="" if name == "32-true" else "32-true")
         if model is None:
             row.skip(no_minilm)
         rows.append(row)
@@ -245,14 +249,26 @@ def plan(args, sizes: Sizes, work: Path) -> list[Row]:
         if args.dry_run:
             config = TINY[config_class]
         folder, params = save_shape(models / shape, config_class, config)
+        # float8 pays off on large matrix products, and only compiled (torchao's casts fused into few kernels)
+        float8 = [("bf16-mixed --compile", ["--precision", "bf16-mixed", "--compile"], sizes.shape),
+                  (f"{FP8} --compile", ["--precision", FP8, "--compile"], sizes.shape)]
         for name, flags, run_sizes in [("32-true", ["--precision", "32-true"], sizes.shape),
                                        ("bf16-mixed", ["--precision", "bf16-mixed"], sizes.shape),
                                        ("16-mixed", ["--precision", "16-mixed"], sizes.shape),
-                                       ("bf16-mixed, --batch-size auto", ["--precision", "bf16-mixed"], sizes.auto)]:
+                                       ("bf16-mixed, --batch-size auto", ["--precision", "bf16-mixed"], sizes.auto),
+                                       *(float8 if shape == "BERT-large-shaped" else [])]:
             row = Row(section, f"{shape}, {name}",
                       ["--model", str(folder), "--dataset", str(demo_data), *run_sizes, *one, *flags],
                       profiled=run_sizes is sizes.shape)
             row.notes.append(f"{params / 1e6:.0f}M parameters")
+            if row.name == FP8_ROW:
+                row.losses_against = f"{shape}, bf16-mixed --compile"
+                if args.dry_run:  # the CPU stand-in: torch's float8 matrix products on the CPU, eager
+                    row.flags.remove("--compile")
+                    row.notes.append("dry run: without --compile; torch's CPU float8 product reads its scales "
+                                     "back (the syncs)")
+                elif torch.cuda.get_device_capability() < (8, 9):
+                    row.skip("needs float8 matrix products: compute capability 8.9+ (H100, H200, L40S)")
             rows.append(row)
 
     config_class, config = SHAPES["BERT-large-shaped"]
@@ -303,9 +319,9 @@ def plan(args, sizes: Sizes, work: Path) -> list[Row]:
                 row.skip("dry run: one row of each kind on CPU")
             # the CUDA-only paths (16-mixed, DeepSpeed) through the tests' CPU stand-ins
             row.env = {**SHIMS, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests" / "shims"), str(ROOT)])}
-    if args.peak_tflops:  # a half-precision peak: the 32-true rows keep Fabric's own (TF32's) or none
+    if args.peak_tflops:  # a half-precision peak (fp8-mixed's MFU too): the 32-true rows keep Fabric's own or none
         for row in rows:
-            if "bf16-mixed" in row.flags or "16-mixed" in row.flags:
+            if {"bf16-mixed", "16-mixed", FP8} & set(row.flags):
                 row.flags += ["--peak-tflops", str(args.peak_tflops)]
     return rows
 
@@ -375,24 +391,26 @@ def run_row(row: Row, out: Path, env: dict, window: dict | None = None) -> None:
         row.profile["mfu_padded"] = (
             "n/a (CUDA graphs)" if row.profile["cuda_graphs"] else
             flops / row.profile["steady_step_s"] / (peak * 1e12) if peak and flops else None)
-    if row.section == MINILM:  # a step checkpoint at the epoch's end holds the scaler
+    if row.script == "train.py":
         row.first_losses = losses(metrics(run))
-        if row.results["precision"] == "16-mixed":
-            row.notes.append(f"{cell(skipped_steps(run, row.results['steps']), 'd')} of {row.results['steps']} "
-                             f"steps skipped by the loss scaler")
+    if row.section == MINILM and row.results["precision"] == "16-mixed":  # its epoch-end checkpoint holds the scaler
+        row.notes.append(f"{cell(skipped_steps(run, row.results['steps']), 'd')} of {row.results['steps']} "
+                         f"steps skipped by the loss scaler")
     for bulky in ("checkpoints", "model"):  # a BERT-large run leaves gigabytes
         shutil.rmtree(run / bulky, ignore_errors=True)
 
 
 def compare(row: Row, rows: list[Row]) -> None:
-    """Notes a MiniLM row's losses against 32-true's, or a multi-GPU row's accuracy against one GPU's: the rows
-    compared with run first, so the notes are written with the row, and a run cut short keeps them."""
+    """Notes a row's first losses against its ``losses_against`` row's (a MiniLM row's: 32-true's), or a multi-GPU
+    row's accuracy against one GPU's: the rows compared with run first, so the notes are written with the row, and a
+    run cut short keeps them."""
     by_name = {(other.section, other.name): other for other in rows}
-    reference, one_gpu = by_name[(MINILM, "32-true")], by_name[(MINILM, "bf16-mixed")]
-    if row.section == MINILM and row is not reference and row.first_losses and reference.first_losses:
+    one_gpu = by_name[(MINILM, "bf16-mixed")]
+    reference = by_name[(row.section, row.losses_against)] if row.losses_against else None
+    if reference and row.first_losses and reference.first_losses:
         n = min(len(row.first_losses), len(reference.first_losses))
         gap = max(abs(a - b) for a, b in zip(row.first_losses[:n], reference.first_losses[:n]))
-        row.notes.append(f"first {n} losses within {gap:.2g} of 32-true's")
+        row.notes.append(f"first {n} losses within {gap:.2g} of {reference.name}'s")
     if row.section.startswith("2+ GPUs") and row.status == "measured" and one_gpu.status == "measured":
         bar = one_gpu.results["test_acc"] - ACCURACY_TOLERANCE
         row.ok = row.results["test_acc"] >= bar

@@ -21,8 +21,9 @@ STRATEGIES = ("auto", "ddp", "ddp_find_unused_parameters_true", "dp", "deepspeed
               "deepspeed_stage_1_offload", "deepspeed_stage_2", "deepspeed_stage_2_offload", "deepspeed_stage_3",
               "deepspeed_stage_3_offload", "deepspeed_stage_3_offload_nvme", "fsdp", "fsdp_cpu_offload", "single_xla",
               "single_tpu", FSDP2)
+FP8 = "fp8-mixed"  # torchao's float8 matrix products in bf16-mixed autocast (fabric_utils/fp8.py); not Fabric's
 PRECISIONS = ("auto", "transformer-engine", "transformer-engine-float16", "16-true", "16-mixed", "bf16-true",
-              "bf16-mixed", "32-true", "64-true", "64", "32", "16", "bf16")
+              "bf16-mixed", "32-true", "64-true", "64", "32", "16", "bf16", FP8)
 LOGGER_NAMES = ("csv", "tensorboard", "mlflow", "wandb")
 # the launch flags' defaults, applied after parsing: a flag left unset (None) is one `fabric run` may set instead
 LAUNCH_DEFAULTS = {"accelerator": "auto", "devices": "auto", "num_nodes": 1, "strategy": "auto", "precision": "auto"}
@@ -137,7 +138,7 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     g.add_argument("--strategy", choices=STRATEGIES, help="how to spread the work: ddp, fsdp2, deepspeed_stage_2, ...")
     g.add_argument("--precision", choices=PRECISIONS, help="numeric precision; auto: bf16-mixed where the hardware "
                    "runs it faster than fp32, 16-mixed on older GPUs (32-true under fsdp2: no loss scaler), "
-                   "else 32-true")
+                   f"else 32-true; {FP8}: float8 matrix products on H100-class GPUs (torchao)")
 
     g = p.add_argument_group("optimization")
     g.add_argument("--epochs", type=positive_int, default=3)

@@ -19,8 +19,9 @@ from lightning.fabric.strategies import deepspeed as fabric_deepspeed
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
-from fabric_utils.args import FSDP2, LAUNCH_DEFAULTS, fabric_run_settings, launched_by_cli
+from fabric_utils.args import FP8, FSDP2, LAUNCH_DEFAULTS, fabric_run_settings, launched_by_cli
 from fabric_utils.errors import PeerLost, UserError, first_line, lost_a_peer
+from fabric_utils.fp8 import check_fp8_supported
 from fabric_utils.private import _BackwardSyncControl, set_backward_sync_control
 from fabric_utils.sharding import BlockPolicy, materialize_unit, mixed_precision_policy, shard_blocks
 
@@ -86,6 +87,8 @@ def resolve_launch_settings(flags: dict) -> dict:
     settings["num_nodes"] = int(settings["num_nodes"])
     if settings["precision"] == "auto":
         settings["precision"] = auto_precision(settings["accelerator"], settings["strategy"])
+    if settings["precision"] == FP8:  # train.py converts the model's layers; Fabric runs the rest in bf16 autocast
+        settings["precision"] = "bf16-mixed"
     return settings
 
 
@@ -126,6 +129,8 @@ def build_fabric(accelerator=None, devices=None, num_nodes=None, strategy=None, 
     except (ValueError, RuntimeError, TypeError, MisconfigurationException) as err:
         raise UserError(f"cannot launch with {settings}: {first_line(err)}") from err
     check_precision_supported(settings["precision"], fabric.strategy.precision.precision, fabric.device)
+    if precision == FP8:
+        check_fp8_supported(fabric.device, settings["strategy"])
     deepspeed = isinstance(fabric.strategy, DeepSpeedStrategy)
     # Fabric refuses DeepSpeed off CUDA only once each process started, a traceback each: checked here, against the
     # class Fabric checks (the tests' CPU shim swaps it)

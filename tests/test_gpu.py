@@ -1,9 +1,13 @@
-"""What only a CUDA GPU can show: fp16 with loss scaling, real DeepSpeed kernels, NCCL. Skipped without CUDA."""
+"""What only a CUDA GPU can show: fp16 with loss scaling, real DeepSpeed kernels, NCCL, float8 matrix products.
+Skipped without CUDA."""
+
+import json
+import sys
 
 import pytest
 import torch
 
-from conftest import SMALL_DEMO, build_fabric_from_flags, logged, train
+from conftest import SMALL_DEMO, build_fabric_from_flags, logged, run, train
 
 pytestmark = pytest.mark.gpu
 
@@ -57,3 +61,23 @@ def test_bf16_on_length_grouped_batches_keeps_pace_with_fp32(tmp_path):
         train([*flags, "--precision", precision], tmp_path / precision)
         per_step[precision] = seconds_per_step_after_the_first(tmp_path / precision)
     assert per_step["bf16-mixed"] < 2.5 * per_step["32-true"], per_step
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                    reason="needs float8 matrix products: compute capability 8.9+ (H100, H200, L40S)")
+@pytest.mark.parametrize("extra", [[], ["--strategy", "fsdp2"], ["--compile"]], ids=["one-device", "fsdp2", "compile"])
+def test_fp8_mixed_trains_the_demo_as_bf16_mixed_does(tmp_path, extra):
+    flags = ["--accelerator", "cuda", "--devices", "1", *extra, "--demo", "--log-every", "1", "--quiet"]
+    printed = {precision: run([sys.executable, "train.py", *flags, "--precision", precision, "--out-dir",
+                               str(tmp_path / precision)]).stdout for precision in ("bf16-mixed", "fp8-mixed")}
+    assert "12 of 14 Linear layers compute in float8" in printed["fp8-mixed"]  # the demo's blocks: 6 a layer
+    results = {precision: json.loads((tmp_path / precision / "results.json").read_text()) for precision in printed}
+    losses = {precision: list(logged(tmp_path / precision, "train/loss").values()) for precision in results}
+    assert len(losses["fp8-mixed"]) == len(losses["bf16-mixed"]) >= 50
+    # float8's rounding moves single steps; the curve, averaged over 10 steps, stays on bf16's
+    for start in range(0, len(losses["bf16-mixed"]) - 9, 10):
+        window = {precision: sum(values[start:start + 10]) / 10 for precision, values in losses.items()}
+        assert abs(window["fp8-mixed"] - window["bf16-mixed"]) <= 0.05, (start, window)
+    assert results["fp8-mixed"]["test_acc"] >= 0.9
+    assert abs(results["fp8-mixed"]["test_acc"] - results["bf16-mixed"]["test_acc"]) <= 0.02
+    assert results["fp8-mixed"]["config"]["precision"] == "fp8-mixed"

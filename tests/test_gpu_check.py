@@ -27,7 +27,7 @@ def test_the_dry_run_writes_every_row_measured_or_skipped_with_a_reason(tmp_path
     measured = {row["name"]: row for row in rows if row["status"] == "measured"}
     hf, raschka = gpu_check.HF_PEER, gpu_check.RASCHKA
     assert set(measured) == {"32-true", "bf16-mixed", "16-mixed", "DistilBERT-shaped, bf16-mixed, --batch-size auto",
-                             "ddp", hf, raschka}
+                             "ddp", hf, raschka, gpu_check.FP8_ROW}
     for row in measured.values():
         assert row["results"]["train_samples_per_s"] > 0 and 0 <= row["results"]["test_acc"] <= 1
     assert measured["ddp"]["results"]["world_size"] == 2
@@ -52,6 +52,11 @@ def test_the_dry_run_writes_every_row_measured_or_skipped_with_a_reason(tmp_path
     assert any("losses within" in note for note in measured["bf16-mixed"]["notes"])
     assert any("one GPU's" in note for note in measured["ddp"]["notes"])
     assert measured["DistilBERT-shaped, bf16-mixed, --batch-size auto"]["results"]["config"]["batch_size"] > 8
+    # fp8-mixed through the CPU shim, eager: torchao's layers in the blocks, the rest bf16-mixed
+    fp8 = measured[gpu_check.FP8_ROW]
+    assert fp8["results"]["config"]["precision"] == "fp8-mixed" and "--compile" not in fp8["flags"]
+    assert fp8["losses_against"] == "BERT-large-shaped, bf16-mixed --compile" and fp8["first_losses"]
+    assert "12 of 14 Linear layers compute in float8" in next((tmp_path / "runs").glob("*fp8*.log")).read_text()
     table = (tmp_path / "gpu_check.md").read_text()
     assert f"- torch: {torch.__version__}" in table and "- deepspeed: " in table
     assert "| samples/s, steady | tokens/s | MFU | MFU, padded | GPU busy | kernels/step | syncs/step | recompiles |" \

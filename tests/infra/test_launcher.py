@@ -46,7 +46,7 @@ def test_the_flags_offer_what_fabrics_registries_hold():
     from fabric_utils import args
     assert set(args.ACCELERATORS) == {"auto", *ACCELERATOR_REGISTRY.available_accelerators()}
     assert args.PRECISIONS == ("auto", *typing.get_args(_PRECISION_INPUT_STR),
-                               *typing.get_args(_PRECISION_INPUT_STR_ALIAS))
+                               *typing.get_args(_PRECISION_INPUT_STR_ALIAS), args.FP8)
 
 
 def offered(strategy: str) -> bool:

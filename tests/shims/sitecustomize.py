@@ -8,6 +8,9 @@ DeepSpeed itself runs ZeRO 2 and 3 on CPU tensors.
 
 FABRIC_TEMPLATE_FP16_CPU=1 makes ``--precision 16-mixed`` on CPU real fp16 autocast with a loss scaler.
 
+FABRIC_TEMPLATE_FP8_CPU=1 lets ``--precision fp8-mixed`` run on CPU: torch computes float8 matrix products there too
+(slowly), so torchao's layers train through the whole loop where only an H100-class GPU is otherwise accepted.
+
 FABRIC_TEMPLATE_FSDP_CPU=1 lets Fabric's FSDP strategy (``--strategy fsdp``, torch's FSDP1) run on CPU processes.
 Fabric refuses it unless the accelerator is CUDA, and hands FSDP the device's index, which a CPU device lacks; FSDP1
 then looks for an accelerator and finds none. FSDP1 itself shards, gathers and reduce-scatters CPU tensors over gloo.
@@ -134,3 +137,10 @@ if os.environ.get("FABRIC_TEMPLATE_FSDP_CPU") == "1":
 
     _after_import.add("lightning.fabric.connector", patch_strategy_check)
     _after_import.add("torch.distributed.fsdp.fully_sharded_data_parallel", patch_fsdp)
+
+if os.environ.get("FABRIC_TEMPLATE_FP8_CPU") == "1":
+
+    def patch_fp8(fp8):
+        fp8.has_float8_matmuls = lambda device: True
+
+    _after_import.add("fabric_utils.fp8", patch_fp8)
