@@ -55,7 +55,6 @@ from fabric_utils.batch_size import find_batch_size
 from fabric_utils.checkpoint import (agreed_resume_checkpoint, load_checkpoint, load_weights, read_record,
                                      remove_checkpoint, save_checkpoint)
 from fabric_utils.export import export_model, save_weights
-from fabric_utils.fp8 import convert_to_float8
 from fabric_utils.launcher import (build_fabric, clips_in_loop, explain_lost_peers, launch, offloads_optimizer,
                                    scales_loss, strategy_checkpoints_blocks, warn_if_updates_vanish)
 from fabric_utils.loaders import fill_rows, first_rows, make_dataloaders
@@ -68,8 +67,8 @@ from fabric_utils.run_folder import (RUN_DIR_ENV, environment_report, locked_run
                                      remove_if_unused, save_config, write_predictions)
 from fabric_utils.sharding import recompute_blocks, setup_model_and_optimizer
 from fabric_utils.task_spec import TaskSpec
-from fabric_utils.speed import (Throughput, batch_kinds, compile_model, default_num_workers, peak_memory_per_rank,
-                                 processes_sharing, training_flops_fn, warm_up)
+from fabric_utils.speed import (Throughput, batch_kinds, compile_model, convert_to_float8, default_num_workers,
+                                 peak_memory_per_rank, processes_sharing, training_flops_fn, warm_up)
 from fabric_utils.threads import set_threads
 
 

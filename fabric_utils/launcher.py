@@ -21,7 +21,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
 from fabric_utils.args import FP8, FSDP2, LAUNCH_DEFAULTS, fabric_run_settings, launched_by_cli
 from fabric_utils.errors import PeerLost, UserError, first_line, lost_a_peer
-from fabric_utils.fp8 import check_fp8_supported
+from fabric_utils.speed import check_fp8_supported
 from fabric_utils.private import _BackwardSyncControl, set_backward_sync_control
 from fabric_utils.sharding import BlockPolicy, materialize_unit, mixed_precision_policy, shard_blocks
 
