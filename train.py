@@ -41,7 +41,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from lightning.fabric.strategies import DDPStrategy, SingleDeviceStrategy
 from torch.utils.data import Subset
 from torchmetrics import MeanMetric, SumMetric
 
@@ -49,8 +48,8 @@ from fabric_utils.batch_size import find_batch_size
 from fabric_utils.checkpoint import (agreed_resume_checkpoint, load_checkpoint, load_weights, read_record,
                                      save_checkpoint)
 from fabric_utils.export import export_model
-from fabric_utils.launcher import (build_fabric, clips_in_loop, explain_lost_peers, launch, offloads_optimizer,
-                                   scales_loss, strategy_checkpoints_blocks, warn_if_updates_vanish)
+from fabric_utils import strategy
+from fabric_utils.launcher import build_fabric, explain_lost_peers, launch, warn_if_updates_vanish
 from fabric_utils.loaders import fill_rows, first_rows, make_dataloaders
 from fabric_utils.loggers import finalize_loggers, make_loggers, plot_metrics, save_tracker_ids
 from fabric_utils.optim import build_optimizer, build_scheduler, count_parameters
@@ -59,7 +58,8 @@ from fabric_utils.pretrained import build_model, load_pretrained
 from fabric_utils.progress import Progress, counted, say, shows_bars, silence_libraries
 from fabric_utils.run_folder import (RUN_DIR_ENV, environment_report, locked_run_folder, prepare_out_dir,
                                      remove_if_unused, save_config, write_predictions)
-from fabric_utils.sharding import declare_blocks, recompute_blocks, setup_model_and_optimizer
+from fabric_utils.sharding import (cast_shards, compile_in_engine, declare_blocks, full_shapes, prepare_for_setup,
+                                   recompute_blocks, shapes_by_name)
 from fabric_utils.task_spec import TaskSpec
 from fabric_utils.speed import (Throughput, batch_kinds, compile_model, default_num_workers, peak_memory_per_rank,
                                  processes_sharing, training_flops_fn, warm_up)
@@ -185,7 +185,7 @@ def build(fabric, args, spec: TaskSpec, pretrained: bool):
     # under fsdp, fsdp2 and ZeRO-3 already sharded, filled with the pretrained values after set-up
     model, source = build_model(fabric, spec.build_model, spec.build_skeleton, pretrained=pretrained)
     model = declare_blocks(model, spec.blocks)
-    if args.grad_checkpointing and not strategy_checkpoints_blocks(fabric.strategy):
+    if args.grad_checkpointing and not strategy.checkpoints_blocks(fabric):
         recompute_blocks(model)  # FSDP and FSDP2 recompute the blocks they shard themselves
     params = count_parameters(model)
     step_loss = functools.partial(training_loss, spec.objective)
@@ -193,12 +193,23 @@ def build(fabric, args, spec: TaskSpec, pretrained: bool):
         model, step_loss, lambda size: spec.example_batch(1, size, "cpu"), max_size=spec.max_size)
     if args.compile:  # fabric.setup recompiles it around the strategy's wrapper
         model = compile_model(model, mode=compile_mode(fabric, args.compile_mode))
+    model, compiled = prepare_for_setup(fabric, model)  # fp32 weights to update; DeepSpeed compiles in its engine
+    shapes = full_shapes(model)  # before FSDP flattens them: AdamW decays only the matrices
+
     # at rate 0: the schedule sets the peak once the run's length, on which the default depends, is known
-    model, optimizer, torch_optimizer = setup_model_and_optimizer(                              # Fabric step 3
-        fabric, model, lambda module, shapes: build_optimizer(module, name=args.optimizer, lr=0.0,
-                                                              weight_decay=args.weight_decay, device=fabric.device,
-                                                              offload=offloads_optimizer(fabric),
-                                                              loss_scaling=scales_loss(fabric), shapes=shapes))
+    def new_optimizer(module):
+        return build_optimizer(module, name=args.optimizer, lr=0.0, weight_decay=args.weight_decay,
+                               device=fabric.device, offload=strategy.offloads_optimizer(fabric),
+                               loss_scaling=strategy.scales_loss(fabric), shapes=shapes_by_name(module, shapes))
+
+    if strategy.builds_optimizer_after_setup(fabric):  # on what set-up made: FSDP's shards, transformer-engine's layers
+        model = cast_shards(fabric, fabric.setup_module(model))                                # Fabric step 3
+        torch_optimizer = new_optimizer(model)
+        optimizer = fabric.setup_optimizers(torch_optimizer)
+    else:  # DeepSpeed's engine takes both at once
+        torch_optimizer = new_optimizer(model)
+        model, optimizer = fabric.setup(model, torch_optimizer)                                # Fabric step 3
+        compile_in_engine(fabric, compiled)
     if source:
         load_pretrained(fabric, model, source)
     return model, optimizer, torch_optimizer, flops_of, params
@@ -208,8 +219,7 @@ def compile_mode(fabric, mode: str) -> str:
     """--compile-mode, whose default on CUDA under one device or DDP is reduce-overhead: CUDA graphs launch a step's
     hundreds of kernels at once, as batches come in a few shapes (buckets); sharded strategies gather parameters
     between kernels, which a graph cannot hold."""
-    graphs_fit = fabric.device.type == "cuda" and isinstance(fabric.strategy, (SingleDeviceStrategy, DDPStrategy))
-    return "reduce-overhead" if mode == "default" and graphs_fit else mode
+    return "reduce-overhead" if mode == "default" and strategy.fits_cuda_graphs(fabric) else mode
 
 
 ROWS_PER_STEP = "rows per optimizer step (--batch-size x devices x --grad-accum)"
@@ -352,7 +362,7 @@ def fit(fabric, args, state, loaders, preemption, ckpt_dir, max_steps, steps_per
             progress.update(loss, logits, batch["labels"][:rows])
             if not is_last:
                 continue
-            if args.grad_clip and clips_in_loop(fabric):  # DeepSpeed clips inside optimizer.step()
+            if args.grad_clip and strategy.clips_in_loop(fabric):  # DeepSpeed clips inside optimizer.step()
                 # no error on a non-finite norm: checking it is a sync, and 16-mixed's scaler skips those steps
                 fabric.clip_gradients(model, optimizer, max_norm=args.grad_clip, error_if_nonfinite=False)
             optimizer.step()
