@@ -44,11 +44,11 @@ import torch
 from torch.utils.data import Subset
 from torchmetrics import MeanMetric, SumMetric
 
+from fabric_utils import strategy
 from fabric_utils.batch_size import find_batch_size
 from fabric_utils.checkpoint import (agreed_resume_checkpoint, load_checkpoint, load_weights, read_record,
                                      save_checkpoint)
 from fabric_utils.export import export_model
-from fabric_utils import strategy
 from fabric_utils.launcher import build_fabric, explain_lost_peers, launch, warn_if_updates_vanish
 from fabric_utils.loaders import fill_rows, first_rows, make_dataloaders
 from fabric_utils.loggers import finalize_loggers, make_loggers, plot_metrics, save_tracker_ids

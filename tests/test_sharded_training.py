@@ -98,10 +98,10 @@ for compiled in (False, True):
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
     if compiled:  # as train.py's --compile hands it over; the eager backend keeps the test quick
         model = torch.compile(model, backend="eager", dynamic=True)
-    model, compiled = prepare_for_setup(fabric, model)
+    model, compile_kwargs = prepare_for_setup(fabric, model)
     model, optimizer = fabric.setup(model, build_optimizer(model, "adamw", lr=1e-2, weight_decay=0.0,
                                                            device=fabric.device))
-    compile_in_engine(fabric, compiled)
+    compile_in_engine(fabric, compile_kwargs)
     losses[compiled] = []
     for step in range(3):
         loss = model(torch.randn(4, 8, generator=torch.Generator().manual_seed(step))).square().mean()
