@@ -26,7 +26,8 @@ def parse_args(argv=None):
     if flags.fast_dev_run:  # N optimizer steps, CSV logs only (trackers write elsewhere), in a folder it removes
         for flag in ("out_dir", "resume"):
             if getattr(flags, flag):
-                raise UserError(f"--fast-dev-run runs in a temporary folder it removes: drop --{flag.replace('_', '-')}")
+                raise UserError(f"--fast-dev-run runs in a temporary folder it removes: drop "
+                                f"--{flag.replace('_', '-')}")
         vars(flags).update(max_steps=flags.fast_dev_run, logger="csv", save_every=None, val_every=None)
     return flags
 
@@ -47,16 +48,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from lightning.fabric.strategies import DDPStrategy, SingleDeviceStrategy
 from torch.utils.data import Subset
 from torchmetrics import MeanMetric, SumMetric
 
+from fabric_utils import strategy
 from fabric_utils.batch_size import find_batch_size
 from fabric_utils.checkpoint import (agreed_resume_checkpoint, load_checkpoint, load_weights, read_record,
                                      remove_checkpoint, save_checkpoint)
 from fabric_utils.export import export_model, save_weights
-from fabric_utils.launcher import (build_fabric, clips_in_loop, explain_lost_peers, launch, offloads_optimizer,
-                                   scales_loss, strategy_checkpoints_blocks, warn_if_updates_vanish)
+from fabric_utils.launcher import build_fabric, explain_lost_peers, launch, warn_if_updates_vanish
 from fabric_utils.loaders import fill_rows, first_rows, make_dataloaders
 from fabric_utils.loggers import finalize_loggers, make_loggers, plot_metrics, save_tracker_ids
 from fabric_utils.optim import build_optimizer, build_scheduler, count_parameters
@@ -65,7 +65,8 @@ from fabric_utils.pretrained import build_model, load_pretrained
 from fabric_utils.progress import Progress, counted, say, shows_bars, silence_libraries
 from fabric_utils.run_folder import (RUN_DIR_ENV, environment_report, locked_run_folder, prepare_out_dir,
                                      remove_if_unused, save_config, write_predictions)
-from fabric_utils.sharding import recompute_blocks, setup_model_and_optimizer
+from fabric_utils.sharding import (cast_shards, compile_in_engine, full_shapes, prepare_for_setup, recompute_blocks,
+                                   shapes_by_name)
 from fabric_utils.task_spec import TaskSpec
 from fabric_utils.speed import (Throughput, batch_kinds, compile_model, convert_to_float8, default_num_workers,
                                  peak_memory_per_rank, processes_sharing, training_flops_fn, warm_up)
@@ -132,7 +133,8 @@ def main(fabric, flags, out_dir: Path) -> dict:
     if flags.fast_dev_run:  # N batches of each split on every process
         batches = flags.fast_dev_run * fabric.world_size
         eval_rows = batches * (flags.eval_batch_size or 2 * batch_size)
-        spec = cut_splits(spec, {"train": batches * batch_size * grad_accum, "validation": eval_rows, "test": eval_rows})
+        spec = cut_splits(spec, {"train": batches * batch_size * grad_accum, "validation": eval_rows,
+                                 "test": eval_rows})
     loaders = make_loaders(fabric, flags, spec, batch_size=batch_size, grad_accum=grad_accum)
     steps_per_epoch = math.ceil(len(loaders["train"]) / grad_accum)
     max_steps = flags.max_steps or flags.epochs * steps_per_epoch
@@ -183,7 +185,7 @@ def build(fabric, args, spec: TaskSpec, pretrained: bool):
     training step (for MFU) and parameter counts; ``pretrained`` loads the task's values (else a checkpoint will)."""
     # under fsdp, fsdp2 and ZeRO-3 already sharded, filled with the pretrained values after set-up
     model, source = build_model(fabric, spec.build_model, spec.build_skeleton, pretrained=pretrained)
-    if args.grad_checkpointing and not strategy_checkpoints_blocks(fabric.strategy):
+    if args.grad_checkpointing and not strategy.checkpoints_blocks(fabric):
         recompute_blocks(model)  # FSDP and FSDP2 recompute the blocks they shard themselves
     params = count_parameters(model)
     step_loss = functools.partial(training_loss, spec.objective)
@@ -194,12 +196,23 @@ def build(fabric, args, spec: TaskSpec, pretrained: bool):
         convert_to_float8(model)
     if args.compile:  # fabric.setup recompiles it around the strategy's wrapper
         model = compile_model(model, mode=compile_mode(fabric, args.compile_mode))
+    model, compiled = prepare_for_setup(fabric, model)  # fp32 weights to update; DeepSpeed compiles in its engine
+    shapes = full_shapes(model)  # before FSDP flattens them: AdamW decays only the matrices
+
     # at rate 0: the schedule sets the peak once the run's length, on which the default depends, is known
-    model, optimizer, torch_optimizer = setup_model_and_optimizer(                              # Fabric step 3
-        fabric, model, lambda module, shapes: build_optimizer(module, name=args.optimizer, lr=0.0,
-                                                              weight_decay=args.weight_decay, device=fabric.device,
-                                                              offload=offloads_optimizer(fabric),
-                                                              loss_scaling=scales_loss(fabric), shapes=shapes))
+    def new_optimizer(module):
+        return build_optimizer(module, name=args.optimizer, lr=0.0, weight_decay=args.weight_decay,
+                               device=fabric.device, offload=strategy.offloads_optimizer(fabric),
+                               loss_scaling=strategy.scales_loss(fabric), shapes=shapes_by_name(module, shapes))
+
+    if strategy.builds_optimizer_after_setup(fabric):  # on what set-up made: FSDP's shards, transformer-engine's layers
+        model = cast_shards(fabric, fabric.setup_module(model))                                # Fabric step 3
+        torch_optimizer = new_optimizer(model)
+        optimizer = fabric.setup_optimizers(torch_optimizer)
+    else:  # DeepSpeed's engine takes both at once
+        torch_optimizer = new_optimizer(model)
+        model, optimizer = fabric.setup(model, torch_optimizer)                                # Fabric step 3
+        compile_in_engine(fabric, compiled)
     if source:
         load_pretrained(fabric, model, source)
     return model, optimizer, torch_optimizer, flops_of, params
@@ -209,8 +222,7 @@ def compile_mode(fabric, mode: str) -> str:
     """--compile-mode, whose default on CUDA under one device or DDP is reduce-overhead: CUDA graphs launch a step's
     hundreds of kernels at once, as batches come in a few shapes (buckets); sharded strategies gather parameters
     between kernels, which a graph cannot hold."""
-    graphs_fit = fabric.device.type == "cuda" and isinstance(fabric.strategy, (SingleDeviceStrategy, DDPStrategy))
-    return "reduce-overhead" if mode == "default" and graphs_fit else mode
+    return "reduce-overhead" if mode == "default" and strategy.fits_cuda_graphs(fabric) else mode
 
 
 ROWS_PER_STEP = "rows per optimizer step (--batch-size x devices x --grad-accum)"
@@ -368,7 +380,7 @@ def fit(fabric, config, state: TrainState, loaders, preemption, ckpt_dir, max_st
             progress.update(loss, logits, batch["labels"][:rows])
             if not is_last:
                 continue
-            if config.grad_clip and clips_in_loop(fabric):  # DeepSpeed clips inside optimizer.step()
+            if config.grad_clip and strategy.clips_in_loop(fabric):  # DeepSpeed clips inside optimizer.step()
                 # no error on a non-finite norm: checking it is a sync, and 16-mixed's scaler skips those steps
                 fabric.clip_gradients(model, optimizer, max_norm=config.grad_clip, error_if_nonfinite=False)
             optimizer.step()

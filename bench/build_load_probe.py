@@ -45,7 +45,7 @@ class PeakSampler(threading.Thread):
 sampler = None
 built_peak_mb = None
 task_setup = train.task.setup
-setup_model_and_optimizer = train.setup_model_and_optimizer
+prepare_for_setup = train.prepare_for_setup
 
 
 def probed_setup(args, verbose):
@@ -56,10 +56,10 @@ def probed_setup(args, verbose):
     return job
 
 
-def probed_setup_model_and_optimizer(*args, **kwargs):
+def probed_prepare_for_setup(*args, **kwargs):
     global built_peak_mb
     built_peak_mb = max(sampler.peak_mb, rss_anon_mb())
-    return setup_model_and_optimizer(*args, **kwargs)
+    return prepare_for_setup(*args, **kwargs)
 
 
 def stop_before_training(fabric, *args, **kwargs):
@@ -70,7 +70,7 @@ def stop_before_training(fabric, *args, **kwargs):
 
 
 train.task.setup = probed_setup
-train.setup_model_and_optimizer = probed_setup_model_and_optimizer
+train.prepare_for_setup = probed_prepare_for_setup
 train.fit = stop_before_training
 
 if __name__ == "__main__":

@@ -17,11 +17,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from lightning.fabric.strategies import DeepSpeedStrategy, ModelParallelStrategy
 from torch.distributed.checkpoint import CheckpointException
 
+from fabric_utils import strategy
 from fabric_utils.errors import UserError, first_line
-from fabric_utils.launcher import scales_loss
 from fabric_utils.safe_pickle import check_folder, load_torch_file
 
 STEP_PATTERN = re.compile(r"^step-(\d+)$")
@@ -97,14 +96,14 @@ def remove_checkpoint(path: Path) -> None:
 def with_loss_scaler(fabric, state: dict) -> dict:
     """``state`` plus, under 16-mixed, the loss scaler Fabric leaves out: a resume at the first scale would skip steps
     the uninterrupted run took (DeepSpeed keeps its own)."""
-    return {**state, "loss_scaler": fabric.strategy.precision} if scales_loss(fabric) else state
+    return {**state, "loss_scaler": fabric.strategy.precision} if strategy.scales_loss(fabric) else state
 
 
 @contextlib.contextmanager
 def _deepspeed_weights_only(fabric, state: dict):
     """Under DeepSpeed, a checkpoint without an optimizer (``best``) keeps the fp32 weights but not Adam's moments,
     twice their size, which only a resume needs (DeepSpeed writes its optimizer whatever ``state`` holds)."""
-    if not isinstance(fabric.strategy, DeepSpeedStrategy):
+    if not strategy.uses_deepspeed(fabric):
         yield
         return
     from deepspeed.checkpoint.constants import BASE_OPTIMIZER_STATE, OPTIMIZER_STATE_DICT
@@ -134,7 +133,7 @@ def load_weights(fabric, path: Path, model) -> None:
     own file (the weights alone are built whole on every rank), which leaves the optimizer unfit for more steps."""
     verify(fabric, path.parent)
     state = {"model": model}
-    if isinstance(fabric.strategy, DeepSpeedStrategy) and fabric.strategy.zero_stage_3:
+    if strategy.uses_zero3(fabric):
         state["optimizer"] = fabric.strategy.model.optimizer  # the engine's ZeRO optimizer
     fabric.load(path, state)
 
@@ -269,7 +268,7 @@ def load_checkpoint(fabric, path: Path, state: dict, expected_fingerprint: dict 
         _check_fingerprint(path, record[FINGERPRINT], json.loads(json.dumps(expected_fingerprint)))
     written_by = record["world_size"]
     # one file (single device, DDP) and FSDP2's distributed checkpoint reshard on load; FSDP's, DeepSpeed's do not
-    reshards = (path / "state").is_file() or isinstance(fabric.strategy, ModelParallelStrategy)
+    reshards = (path / "state").is_file() or strategy.reshards_checkpoints(fabric)
     if written_by != fabric.world_size and not reshards:
         raise UserError(f"checkpoint {path} holds the shards of {written_by} processes, which "
                         f"{type(fabric.strategy).__name__} cannot reshard for {fabric.world_size}: resume on "

@@ -24,6 +24,7 @@ from fabric_utils.errors import PeerLost, UserError, first_line, lost_a_peer
 from fabric_utils.speed import check_fp8_supported
 from fabric_utils.private import _BackwardSyncControl, set_backward_sync_control
 from fabric_utils.sharding import BlockPolicy, materialize_unit, mixed_precision_policy, shard_blocks
+from fabric_utils.strategy import uses_deepspeed
 
 
 def launch(fabric: Fabric) -> None:
@@ -131,7 +132,7 @@ def build_fabric(accelerator=None, devices=None, num_nodes=None, strategy=None, 
     check_precision_supported(settings["precision"], fabric.strategy.precision.precision, fabric.device)
     if precision == FP8:
         check_fp8_supported(fabric.device, settings["strategy"])
-    deepspeed = isinstance(fabric.strategy, DeepSpeedStrategy)
+    deepspeed = uses_deepspeed(fabric)
     # Fabric refuses DeepSpeed off CUDA only once each process started, a traceback each: checked here, against the
     # class Fabric checks (the tests' CPU shim swaps it)
     if deepspeed and not isinstance(fabric.accelerator, fabric_deepspeed.CUDAAccelerator):
@@ -165,11 +166,6 @@ def build_strategy(settings: dict, grad_checkpointing: bool):
                             activation_checkpointing_policy=blocks if grad_checkpointing else None,
                             param_init_fn=materialize_unit)
     return name
-
-
-def strategy_checkpoints_blocks(strategy) -> bool:
-    """Whether --grad-checkpointing is the strategy's job (FSDP, FSDP2) rather than the model's."""
-    return isinstance(strategy, (FSDPStrategy, ModelParallelStrategy))
 
 
 def count_processes(settings: dict) -> int:
@@ -220,19 +216,3 @@ class _DeepSpeedAccumulationBoundary(_BackwardSyncControl):
     def no_backward_sync(self, module, enabled: bool):
         module.set_gradient_accumulation_boundary(not enabled)  # module: the DeepSpeedEngine
         yield
-
-
-def scales_loss(fabric: Fabric) -> bool:
-    """16-mixed outside DeepSpeed (which scales in its engine): Fabric's GradScaler unscales before clipping, which
-    optimizers with fused kernels refuse (they unscale inside their own step)."""
-    return getattr(fabric.strategy.precision, "scaler", None) is not None
-
-
-def offloads_optimizer(fabric: Fabric) -> bool:
-    """ZeRO-Offload steps the optimizer on the CPU (or NVMe), where DeepSpeed accepts only its own CPU optimizers."""
-    config = fabric.strategy.config if isinstance(fabric.strategy, DeepSpeedStrategy) else {}
-    return config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device") in ("cpu", "nvme")
-
-
-def clips_in_loop(fabric: Fabric) -> bool:
-    return not isinstance(fabric.strategy, DeepSpeedStrategy)

@@ -3,12 +3,11 @@ Training sees every row once per epoch, on one rank; evaluation scores every row
 one (``EvalBatchSampler.num_real``), as sharded strategies need every rank in every forward."""
 
 import math
+import signal
 from collections.abc import Callable, Sequence
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
-
-from fabric_utils.preemption import ignore_sigterm_in_worker
 
 
 class TrainBatchSampler(Sampler[list[int]]):
@@ -81,6 +80,12 @@ def fill_rows(batch: dict, rows: int) -> dict:
 
 def first_rows(batch: dict, rows: int) -> dict:
     return {name: value[:rows] for name, value in batch.items()}
+
+
+def ignore_sigterm_in_worker(worker_id: int) -> None:
+    """A ``worker_init_fn``: SLURM signals loader workers too, and one that died of it would fail the rank ("DataLoader
+    worker exited unexpectedly") before its checkpoint. The rank stops its workers itself."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def make_dataloaders(datasets: dict[str, Dataset], collate: Callable[[list], dict],

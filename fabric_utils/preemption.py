@@ -91,9 +91,3 @@ class Preemption:
         end_job(fabric)
         for sig, previous in self._previous.items():
             signal.signal(sig, previous if sig == signal.SIGINT else signal.SIG_IGN)
-
-
-def ignore_sigterm_in_worker(worker_id: int) -> None:
-    """A ``worker_init_fn``: SLURM signals loader workers too, and one that died of it would fail the rank ("DataLoader
-    worker exited unexpectedly") before its checkpoint. The rank stops its workers itself."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)

@@ -7,10 +7,10 @@ from unittest import mock
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
 from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
+from fabric_utils import strategy
 from fabric_utils.progress import say
 from fabric_utils.sharding import materialize, unwrapped_name
 
@@ -27,12 +27,11 @@ def build_model(fabric, build: Callable[[], nn.Module], build_skeleton: Callable
             torch.random.set_rng_state(rng)
             return build()
 
-    sharded = isinstance(fabric.strategy, (FSDPStrategy, ModelParallelStrategy)) or (
-        isinstance(fabric.strategy, DeepSpeedStrategy) and fabric.strategy.zero_stage_3)
+    sharded = strategy.shards_at_build(fabric)
     if build_skeleton is None or (pretrained and not sharded):
         return source(), None
     with torch.random.fork_rng(devices=[]):
-        if sharded and isinstance(fabric.strategy, DeepSpeedStrategy):
+        if strategy.uses_zero3(fabric):
             with fabric.init_module(empty_init=True):  # deepspeed.zero.Init: partitioned as created
                 model = build_skeleton()
             if pretrained:
@@ -66,7 +65,7 @@ def load_pretrained(fabric, model, source: Callable[[], nn.Module]) -> None:
     """The pretrained values from rank 0 into the set-up fsdp or fsdp2 ``model``'s shards, in the shards' dtype."""
     module = model._forward_module  # under fsdp the root unit, which must gather first
     found = source() if fabric.global_rank == 0 else None
-    if isinstance(fabric.strategy, ModelParallelStrategy):
+    if strategy.uses_fsdp2(fabric):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
         set_model_state_dict(module, found.state_dict() if found is not None else {},
                              options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))

@@ -1,15 +1,14 @@
 """Sharded training: a model's repeated blocks (the classes in its ``_no_split_modules``, as in Hugging Face models) are
 the units FSDP and FSDP2 gather one at a time and ``--grad-checkpointing`` recomputes: one unit for the whole model
-would gather every weight at once, saving no memory over DDP."""
-
-from typing import Callable
+would gather every weight at once, saving no memory over DDP. Also what FSDP2 and DeepSpeed need around Fabric's set-up
+(``prepare_for_setup``)."""
 
 import torch
-from lightning.fabric.strategies import DeepSpeedStrategy, ModelParallelStrategy
+from lightning.fabric.wrappers import is_wrapped
 from torch import nn
-from torch.optim import Optimizer
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from fabric_utils import strategy
 from fabric_utils.errors import UserError
 from fabric_utils.private import CheckpointWrapper, _unwrap_compiled, apply_activation_checkpointing, checkpoint_wrapper
 
@@ -120,33 +119,44 @@ def full_shape(param: nn.Parameter) -> torch.Size:
     return getattr(param, "ds_shape", param.shape)
 
 
-def setup_model_and_optimizer(fabric, model: nn.Module,
-                              make_optimizer: Callable[[nn.Module, dict[str, torch.Size]], Optimizer]):
-    """Fabric step 3: the set-up model and optimizer, and the torch optimizer inside for the schedule (DeepSpeed's
-    wrapper is none). ``make_optimizer(module, shapes)`` builds on the set-up model, FSDP's shards, with the shapes from
-    before set-up (FSDP1 flattens them). Weights become fp32 for mixed precision to update, but never whole on a rank:
-    FSDP2 casts its shards, DeepSpeed in 16 bits makes its own fp32 master weights."""
-    is_deepspeed = isinstance(fabric.strategy, DeepSpeedStrategy)
-    sharded_after = isinstance(fabric.strategy, ModelParallelStrategy)
-    if not (sharded_after or is_deepspeed and fabric.strategy.precision.precision != "32-true"):
+def prepare_for_setup(fabric, model: nn.Module) -> tuple[nn.Module, dict | None]:
+    """``model`` as Fabric's set-up takes it, and the ``torch.compile`` arguments ``compile_in_engine`` applies after
+    (None: Fabric recompiles around its wrapper). Weights become fp32 for mixed precision to update, but never whole on
+    a rank: FSDP2 casts its shards (``cast_shards``), DeepSpeed in 16 bits makes its own fp32 master weights."""
+    deepspeed = strategy.uses_deepspeed(fabric)
+    if not (strategy.uses_fsdp2(fabric) or deepspeed and fabric.strategy.precision.precision != "32-true"):
         model.float()
-    if is_deepspeed:
-        if fabric.strategy.zero_stage_3:
-            gather_one_block_at_a_time(fabric.strategy.config["zero_optimization"], model)
-        # DeepSpeed compiles the module inside its engine, its hooks eager; Fabric would compile the whole engine
-        model, compile_kwargs = _unwrap_compiled(model)
-        optimizer = make_optimizer(model, {name: full_shape(param) for name, param in model.named_parameters()})
-        model, fabric_optimizer = fabric.setup(model, optimizer)
-        if compile_kwargs is not None:
-            backend = {"backend": compile_kwargs.pop("backend")} if "backend" in compile_kwargs else {}
-            fabric.strategy.model.compile(**backend, compile_kwargs=compile_kwargs)
-    else:
-        shapes = {unwrapped_name(name): full_shape(param) for name, param in model.named_parameters()}
-        model = fabric.setup_module(model)
-        if sharded_after:  # FSDP2 casts the shards (its _apply re-registers them); Fabric converted before sharding
-            fabric.strategy.precision.convert_module(model.float())
-        # ``model.module`` is the module given, with FSDP's units inserted: its names lead back to ``shapes``
-        before = {id(param): shapes[unwrapped_name(name)] for name, param in model.module.named_parameters()}
-        optimizer = make_optimizer(model, {name: before[id(param)] for name, param in model.named_parameters()})
-        fabric_optimizer = fabric.setup_optimizers(optimizer)
-    return model, fabric_optimizer, optimizer
+    if not deepspeed:
+        return model, None
+    if strategy.uses_zero3(fabric):
+        gather_one_block_at_a_time(strategy.deepspeed_config(fabric)["zero_optimization"], model)
+    # DeepSpeed compiles the module inside its engine, its hooks eager; Fabric would compile the whole engine
+    return _unwrap_compiled(model)
+
+
+def cast_shards(fabric, model: nn.Module) -> nn.Module:
+    """The set-up ``model``, under FSDP2 its shards cast to fp32 and then to the precision's own weights (its _apply
+    re-registers them: the optimizer is built after); Fabric converted the model before sharding it."""
+    if strategy.uses_fsdp2(fabric):
+        fabric.strategy.precision.convert_module(model.float())
+    return model
+
+
+def compile_in_engine(fabric, compile_kwargs: dict | None) -> None:
+    """DeepSpeed's route for a compiled model (``prepare_for_setup``'s arguments): its engine compiles the module."""
+    if compile_kwargs is not None:
+        backend = {"backend": compile_kwargs.pop("backend")} if "backend" in compile_kwargs else {}
+        fabric.strategy.model.compile(**backend, compile_kwargs=compile_kwargs)
+
+
+def full_shapes(model: nn.Module) -> dict[str, torch.Size]:
+    """Each parameter's shape by its name without wrappers, taken before set-up: FSDP1 flattens the parameters."""
+    return {unwrapped_name(name): full_shape(param) for name, param in model.named_parameters()}
+
+
+def shapes_by_name(model: nn.Module, shapes: dict[str, torch.Size]) -> dict[str, torch.Size]:
+    """``model``'s parameter names with their ``full_shapes``; once set up, found through ``model.module``, the module
+    given, whose names lead back to them with FSDP's units inserted (the wrapper's own may not: DDP's ``module.``)."""
+    given = model.module if is_wrapped(model) else model
+    before = {id(param): shapes[unwrapped_name(name)] for name, param in given.named_parameters()}
+    return {name: before[id(param)] for name, param in model.named_parameters()}

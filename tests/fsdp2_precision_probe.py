@@ -1,5 +1,5 @@
 """Test-only script: trains a small model under ``--strategy fsdp2`` on 2 CPU processes in the given precision
-through build_fabric and setup_model_and_optimizer, and writes what tests/test_sharded_training.py checks as JSON
+through build_fabric and train.py's set-up steps, and writes what tests/test_sharded_training.py checks as JSON
 to OUT:
 
     gathered / reduced: for the last step, the bytes this rank received from FSDP2's all-gathers (weights) and
@@ -24,7 +24,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fabric_utils.launcher import build_fabric, end_job  # noqa: E402
 from fabric_utils.optim import build_optimizer  # noqa: E402
-from fabric_utils.sharding import setup_model_and_optimizer  # noqa: E402
+from fabric_utils.sharding import cast_shards, prepare_for_setup  # noqa: E402
 
 STEPS, ROWS, WIDTH = 3, 8, 64
 
@@ -79,9 +79,10 @@ def main():
     torch.manual_seed(0)
     model = Net()
     reference = copy.deepcopy(model)
-    make = lambda module, shapes=None: build_optimizer(module, "adamw", lr=1e-3, weight_decay=0.01,  # noqa: E731
-                                                       device=fabric.device, shapes=shapes)
-    model, optimizer, _ = setup_model_and_optimizer(fabric, model, make)
+    make = lambda module: build_optimizer(module, "adamw", lr=1e-3, weight_decay=0.01,  # noqa: E731
+                                          device=fabric.device)
+    model = cast_shards(fabric, fabric.setup_module(prepare_for_setup(fabric, model)[0]))
+    optimizer = fabric.setup_optimizers(make(model))
     reference_optimizer = make(reference)
     gathered, reduced = collections.Counter(), collections.Counter()
     losses, reference_losses = [], []

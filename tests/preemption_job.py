@@ -31,8 +31,9 @@ from torch.utils.data import DataLoader, TensorDataset
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fabric_utils.checkpoint import save_checkpoint  # noqa: E402
 from fabric_utils.launcher import build_fabric, launch  # noqa: E402
+from fabric_utils.loaders import ignore_sigterm_in_worker  # noqa: E402
 from fabric_utils.loggers import finalize_loggers, make_loggers  # noqa: E402
-from fabric_utils.preemption import Preemption, ignore_sigterm_in_worker  # noqa: E402
+from fabric_utils.preemption import Preemption  # noqa: E402
 
 RANKS = 2
 

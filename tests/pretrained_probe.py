@@ -74,13 +74,13 @@ def probed_setup(args, verbose):
     return job
 
 
-setup_model_and_optimizer = train.setup_model_and_optimizer
+prepare_for_setup = train.prepare_for_setup
 
 
-def probed_setup_model_and_optimizer(fabric, model, make_optimizer):
+def probed_prepare_for_setup(fabric, model):
     counts = [held(param) for param in model.parameters()]
     found["share"] = sum(mine for mine, _ in counts) / sum(whole for _, whole in counts)
-    return setup_model_and_optimizer(fabric, model, make_optimizer)
+    return prepare_for_setup(fabric, model)
 
 
 fit = train.fit
@@ -99,7 +99,7 @@ def probed_fit(fabric, args, state, **kwargs):
 
 
 train.task.setup = probed_setup
-train.setup_model_and_optimizer = probed_setup_model_and_optimizer
+train.prepare_for_setup = probed_prepare_for_setup
 train.fit = probed_fit
 
 if __name__ == "__main__":

@@ -13,8 +13,9 @@ import torch
 from deepspeed.ops.adam import DeepSpeedCPUAdam
 
 from conftest import SMALL_DEMO, run
-from fabric_utils.launcher import build_fabric, offloads_optimizer
+from fabric_utils.launcher import build_fabric
 from fabric_utils.optim import build_optimizer
+from fabric_utils.strategy import offloads_optimizer
 
 TWO_CPUS = ["--accelerator", "cpu", "--devices", "2"]
 

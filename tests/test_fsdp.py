@@ -74,7 +74,6 @@ from pathlib import Path
 import torch
 from fabric_utils.checkpoint import load_checkpoint, save_checkpoint
 from fabric_utils.launcher import build_fabric
-from fabric_utils.sharding import setup_model_and_optimizer
 
 class Tiny(torch.nn.Sequential):
     _no_split_modules = ["Linear"]
@@ -83,10 +82,9 @@ fabric = build_fabric(accelerator="cpu", devices="1", strategy="fsdp2", precisio
 fabric.launch()
 
 def build():
-    model, optimizer, plain = setup_model_and_optimizer(
-        fabric, Tiny(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)),
-        make_optimizer=lambda model, shapes: torch.optim.SGD(model.parameters(), lr=0.1))
-    return model, optimizer, torch.optim.lr_scheduler.StepLR(plain, 1, gamma=0.5)
+    model = fabric.setup_module(Tiny(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)))
+    plain = torch.optim.SGD(model.parameters(), lr=0.1)
+    return model, fabric.setup_optimizers(plain), torch.optim.lr_scheduler.StepLR(plain, 1, gamma=0.5)
 
 model, optimizer, scheduler = build()
 for _ in range(3):

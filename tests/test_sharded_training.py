@@ -88,7 +88,7 @@ DEEPSPEED_COMPILE = r"""
 import json, sys, torch
 from fabric_utils.launcher import build_fabric, end_job
 from fabric_utils.optim import build_optimizer
-from fabric_utils.sharding import setup_model_and_optimizer
+from fabric_utils.sharding import compile_in_engine, prepare_for_setup
 
 fabric = build_fabric(accelerator="cpu", devices="2", strategy="deepspeed_stage_3", precision="32-true")
 fabric.launch()
@@ -98,8 +98,10 @@ for compiled in (False, True):
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
     if compiled:  # as train.py's --compile hands it over; the eager backend keeps the test quick
         model = torch.compile(model, backend="eager", dynamic=True)
-    model, optimizer, _ = setup_model_and_optimizer(fabric, model, lambda module, shapes: build_optimizer(
-        module, "adamw", lr=1e-2, weight_decay=0.0, device=fabric.device, shapes=shapes))
+    model, compile_kwargs = prepare_for_setup(fabric, model)
+    model, optimizer = fabric.setup(model, build_optimizer(model, "adamw", lr=1e-2, weight_decay=0.0,
+                                                           device=fabric.device))
+    compile_in_engine(fabric, compile_kwargs)
     losses[compiled] = []
     for step in range(3):
         loss = model(torch.randn(4, 8, generator=torch.Generator().manual_seed(step))).square().mean()

@@ -11,15 +11,13 @@ import json
 import sys
 from pathlib import Path
 
-import torch
 from torch.utils.data import Subset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import task  # noqa: E402
 from fabric_utils.launcher import build_fabric, end_job  # noqa: E402
 from fabric_utils.loaders import make_dataloaders  # noqa: E402
-from fabric_utils.sharding import setup_model_and_optimizer  # noqa: E402
-from train import evaluate, parse_args  # noqa: E402
+from train import build, evaluate, parse_args  # noqa: E402
 
 ROWS = (1, 2, 3, 5, 8, 13)
 BATCHES = (1, 2, 3, 7, 50)
@@ -30,10 +28,10 @@ def main():
     fabric = build_fabric(accelerator="cpu", devices="2", strategy=strategy, precision="32-true")
     fabric.launch()
     fabric.seed_everything(0)
+    args = parse_args([*task.TEST_FLAGS, "--quiet"])
     with fabric.rank_zero_first(local=True):
-        job = task.setup(parse_args([*task.TEST_FLAGS, "--quiet"]), verbose=False)
-    model, _, _ = setup_model_and_optimizer(fabric, job.build_model(),
-                                            lambda module, shapes: torch.optim.SGD(module.parameters(), lr=0.0))
+        job = task.setup(args, verbose=False)
+    model = build(fabric, args, job, pretrained=True)[0]  # as the loop builds and sets it up
     found = []
     for rows in ROWS:
         splits = dict.fromkeys(("train", "validation", "test"), Subset(job.datasets["validation"], range(rows)))

@@ -21,7 +21,6 @@ from fabric_utils.launcher import build_fabric, end_job, launch  # noqa: E402
 from fabric_utils.loggers import make_loggers  # noqa: E402
 from fabric_utils.optim import build_optimizer, build_scheduler  # noqa: E402
 from fabric_utils.progress import Progress  # noqa: E402
-from fabric_utils.sharding import setup_model_and_optimizer  # noqa: E402
 from fabric_utils.speed import Throughput, training_flops_fn  # noqa: E402
 
 
@@ -61,9 +60,9 @@ def main():
     model = Regressor()
     flops_of = training_flops_fn(model, lambda m, batch: huber(m(batch[0]), batch[1]),
                                  lambda size: (torch.zeros(1, 8), torch.zeros(1)), max_size=None)
-    model, optimizer, _ = setup_model_and_optimizer(
-        fabric, model, lambda m, shapes: build_optimizer(m, name="adamw", lr=3e-2, weight_decay=0.01,
-                                                         device=fabric.device, shapes=shapes))
+    model = fabric.setup_module(model)
+    optimizer = fabric.setup_optimizers(build_optimizer(model, name="adamw", lr=3e-2, weight_decay=0.01,
+                                                        device=fabric.device))
     scheduler = build_scheduler(optimizer, "linear", lr=3e-2, max_steps=args.steps, warmup=2)
     state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "step": 0,
              "fingerprint": {"job": "plain"}}

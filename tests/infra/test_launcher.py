@@ -3,6 +3,7 @@
 import sys
 import typing
 import warnings
+from types import SimpleNamespace
 from pathlib import Path
 
 import lightning.fabric.fabric
@@ -23,6 +24,7 @@ from conftest import build_fabric_from_flags, fabric_cli, fake_gpu, run
 from fabric_utils import launcher
 from fabric_utils.errors import UserError
 from fabric_utils.sharding import block_classes, recompute_blocks
+from fabric_utils.strategy import checkpoints_blocks
 from train import parse_args
 
 
@@ -180,7 +182,7 @@ def test_grad_checkpointing_is_left_to_fsdp(strategy, by_model):
     """Hugging Face's checkpointing conflicts with FSDP, which checkpoints the blocks it shards itself."""
     built = launcher.build_strategy({"strategy": strategy, "accelerator": "cpu", "devices": "2", "num_nodes": 1,
                                      "precision": "32-true"}, grad_checkpointing=True)
-    assert launcher.strategy_checkpoints_blocks(built) != by_model
+    assert checkpoints_blocks(SimpleNamespace(strategy=built)) != by_model
 
 
 def test_fsdp2_shards_over_every_process(monkeypatch):

@@ -23,7 +23,7 @@ from fabric_utils.checkpoint import load_weights, save_checkpoint
 from fabric_utils.export import full_state_dict
 from fabric_utils.launcher import build_fabric, end_job
 from fabric_utils.optim import build_optimizer
-from fabric_utils.sharding import setup_model_and_optimizer
+from fabric_utils.sharding import prepare_for_setup
 
 WIDTH = 128
 
@@ -33,8 +33,8 @@ def build(fabric):
     model = torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.Tanh(), torch.nn.Linear(WIDTH, WIDTH),
                                 torch.nn.Tanh(), torch.nn.Linear(WIDTH, 1))
     model[0].requires_grad_(False)  # a frozen base, as under --lora-r
-    return setup_model_and_optimizer(fabric, model, lambda module, shapes: build_optimizer(
-        module, "adamw", lr=1e-2, weight_decay=0.01, device=fabric.device, shapes=shapes))
+    model, _ = prepare_for_setup(fabric, model)
+    return fabric.setup(model, build_optimizer(model, "adamw", lr=1e-2, weight_decay=0.01, device=fabric.device))
 
 
 def full_weights(model) -> dict:
@@ -56,7 +56,7 @@ def main():
     fabric = build_fabric(accelerator="cpu", devices="2", strategy=args.strategy, precision="32-true")
     fabric.launch()
     root = Path(fabric.broadcast(str(Path(args.out).parent / "checkpoints")))
-    model, optimizer, _ = build(fabric)
+    model, optimizer = build(fabric)
     for step in range(2):
         x = torch.randn(8, WIDTH, generator=torch.Generator().manual_seed(10 * step + fabric.global_rank))
         fabric.backward(model(x).square().mean())
@@ -66,7 +66,7 @@ def main():
     save_checkpoint(fabric, root, "step-000002", {"model": model, "optimizer": optimizer, "step": 2})
     save_checkpoint(fabric, root, "best", {"model": model, "step": 2})
 
-    fresh, _, _ = build(fabric)  # train.py's finish(): the best model into the live engine
+    fresh, _ = build(fabric)  # train.py's finish(): the best model into the live engine
     load_weights(fabric, root / "best" / "state", fresh)
     reloaded = full_weights(fresh)
     if fabric.is_global_zero:
