@@ -98,8 +98,8 @@ def test_data_seed_draws_the_rows_whatever_the_seed(tmp_path):
     def drawn(*seeds):
         args = parse_args([*flags, *seeds])
         job = task.setup(args, verbose=False)
-        return job.decided_flags["data_seed"], job.fingerprint["--data-seed"], {name: [row.tolist() for row in split["input_ids"]]
-                                                        for name, split in job.datasets.items()}
+        rows = {name: [row.tolist() for row in split["input_ids"]] for name, split in job.datasets.items()}
+        return job.decided_flags["data_seed"], job.fingerprint["--data-seed"], rows
 
     own = drawn("--seed", "1")
     assert own[:2] == (1, 1)
