@@ -498,6 +498,10 @@ def finish(fabric, config, state: TrainState, loaders, out_dir, spec: TaskSpec, 
         finalize_loggers(fabric.loggers)
         say(f"the best model is still {out_dir}/model, tested in results.json when the run first finished")
         return json.loads(results_file.read_text())
+    if not best.exists():  # removed when the run first finished, and its results.json since
+        raise UserError(f"{best} is gone (a finished run removes it: model/ holds its weights) and so is "
+                        f"{results_file}: nothing is left to test; start a new --out-dir (or keep it next time with "
+                        f"--keep-best-checkpoint)")
     load_weights(fabric, best / "state", model)
     objective = spec.objective
     test = evaluate(fabric, model, loaders["test"], objective=objective, predict=True,

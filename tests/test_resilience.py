@@ -6,6 +6,7 @@ shared cores, the single-process runs start together in one fixture and each tes
 
 import json
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -121,6 +122,22 @@ def test_a_resume_of_a_finished_run_keeps_its_model_and_results(runs):
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"the best model is still {out_dir}/model" in done.stdout, done.stdout[-3000:]
     assert [(out_dir / name).read_bytes() for name in kept] == before
+
+
+def test_a_resume_with_neither_best_nor_results_is_one_line(runs, tmp_path):
+    """A finished run whose results.json was deleted since has no model left to test: one line, not a damaged
+    checkpoint's."""
+    jobs, _ = runs
+    jobs["killed_resume"].results()
+    out_dir = shutil.copytree(jobs["killed_resume"].out_dir, tmp_path / "run")
+    (out_dir / "results.json").unlink()
+    done = subprocess.run([sys.executable, "train.py", "--out-dir", str(out_dir), "--resume", "auto"],
+                          cwd=Path(__file__).resolve().parents[1], env=subprocess_env(), capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 2 and done.stderr.splitlines()[-1] == (
+        f"error: {out_dir}/checkpoints/best is gone (a finished run removes it: model/ holds its weights) and so is "
+        f"{out_dir}/results.json: nothing is left to test; start a new --out-dir (or keep it next time with "
+        f"--keep-best-checkpoint)"), done.stderr[-3000:]
 
 
 def logged_losses(job: Job) -> list[float]:

@@ -35,9 +35,10 @@ def test_mlflow_and_wandb_record_the_run_and_a_resume_continues_the_same_tracked
     monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
     out_dir = tmp_path / "run"
     flags = [*SMALL_DEMO, "--logger", "mlflow,wandb", "--tracker-project", "trackers-test", "--max-steps", "4",
-             "--save-every", "2", "--log-every", "2", "--val-every", "2"]
+             "--save-every", "2", "--log-every", "2", "--val-every", "2", "--keep-best-checkpoint"]
     train(flags, out_dir)
-    # the run cut back to its step-2 checkpoint, as a crash there would leave it, then resumed: steps 3 and 4 again
+    # the run cut back to its step-2 checkpoint, as a crash there would leave it (best kept, as before the finish),
+    # then resumed: steps 3 and 4 again
     for later in ("checkpoints/step-000004", "model"):
         shutil.rmtree(out_dir / later)
     (out_dir / "results.json").unlink()
