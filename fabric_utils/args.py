@@ -246,7 +246,8 @@ class Config(argparse.Namespace):
     def __setattr__(self, name: str, value) -> None:
         raise AttributeError(f"the run's config is read-only: decide {name} before making it")
 
-    __delattr__ = __setattr__
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"the run's config is read-only: decide {name} before making it")
 
 
 def load_config(path: str, parser: argparse.ArgumentParser) -> dict:
