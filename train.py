@@ -59,16 +59,16 @@ from fabric_utils.export import export_model, save_weights
 from fabric_utils.launcher import build_fabric, explain_lost_peers, launch, warn_if_updates_vanish
 from fabric_utils.loaders import fill_rows, first_rows, make_dataloaders
 from fabric_utils.loggers import finalize_loggers, make_loggers, plot_metrics, save_tracker_ids
-from fabric_utils.optim import build_optimizer, build_scheduler, count_parameters
+from fabric_utils.optim import build_optimizer, count_parameters
 from fabric_utils.preemption import STATUS_FILE, Preemption
 from fabric_utils.pretrained import build_model, load_pretrained
-from fabric_utils.progress import Progress, counted, say, shows_bars, silence_libraries
+from fabric_utils.progress import Progress, Throughput, counted, say, shows_bars, silence_libraries
 from fabric_utils.run_folder import (RUN_DIR_ENV, environment_report, locked_run_folder, prepare_out_dir,
                                      remove_if_unused, save_config, write_predictions)
 from fabric_utils.sharding import (cast_shards, compile_in_engine, full_shapes, prepare_for_setup, recompute_blocks,
                                    shapes_by_name)
 from fabric_utils.task_spec import TaskSpec
-from fabric_utils.speed import (Throughput, batch_kinds, compile_model, convert_to_float8, default_num_workers,
+from fabric_utils.speed import (batch_kinds, compile_model, convert_to_float8, default_num_workers,
                                  peak_memory_per_rank, processes_sharing, training_flops_fn, warm_up)
 from fabric_utils.threads import set_threads
 
@@ -218,6 +218,27 @@ def build(fabric, args, spec: TaskSpec, pretrained: bool):
     return model, optimizer, torch_optimizer, flops_of, params
 
 
+def build_scheduler(optimizer, name: str, lr: float, max_steps: int, warmup: float, min_lr_rate: float = 0.0):
+    """Linear warm-up from 0 to the peak ``lr`` (``warmup``: a fraction of all steps if below 1, else a step count),
+    then linear, cosine or no decay to ``min_lr_rate`` x the peak, as transformers' schedules (one-cycle: PyTorch's).
+    ``lr`` replaces the optimizer's rate: a default peak depends on the run's length, known only after the optimizer."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    warmup_steps = math.ceil(warmup * max_steps) if warmup < 1 else int(warmup)
+    if name == "one-cycle":
+        return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=lr, total_steps=max_steps,
+                                                   pct_start=max(warmup_steps, 1) / max_steps)
+    decay = {"linear": lambda progress: max(0.0, 1.0 - progress),
+             "cosine": lambda progress: max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress))),
+             "constant": lambda progress: 1.0}[name]
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return step / max(1, warmup_steps)
+        return min_lr_rate + (1.0 - min_lr_rate) * decay((step - warmup_steps) / max(1, max_steps - warmup_steps))
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
 def compile_mode(fabric, mode: str) -> str:
     """--compile-mode, whose default on CUDA under one device or DDP is reduce-overhead: CUDA graphs launch a step's
     hundreds of kernels at once, as batches come in a few shapes (buckets); sharded strategies gather parameters
@@ -357,6 +378,7 @@ def fit(fabric, config, state: TrainState, loaders, preemption, ckpt_dir, max_st
         kinds = batch_kinds(itertools.chain([spec.example_batch(config.batch_size, None, "cpu")], train_loader))
         warm_up(fabric, model, optimizer, [fabric.to_device(fill_rows(batch, config.batch_size)) for batch in kinds],
                 functools.partial(training_loss, objective))
+    clips = config.grad_clip and strategy.clips_in_loop(fabric)  # DeepSpeed clips inside optimizer.step()
     fabric.barrier()
     monitor.start(state.step)
     stale, preempted, stop = 0, False, False
@@ -380,7 +402,7 @@ def fit(fabric, config, state: TrainState, loaders, preemption, ckpt_dir, max_st
             progress.update(loss, logits, batch["labels"][:rows])
             if not is_last:
                 continue
-            if config.grad_clip and strategy.clips_in_loop(fabric):  # DeepSpeed clips inside optimizer.step()
+            if clips:
                 # no error on a non-finite norm: checking it is a sync, and 16-mixed's scaler skips those steps
                 fabric.clip_gradients(model, optimizer, max_norm=config.grad_clip, error_if_nonfinite=False)
             optimizer.step()

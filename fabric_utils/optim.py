@@ -1,6 +1,4 @@
-"""Optimizer and learning-rate schedule."""
-
-import math
+"""The optimizer: AdamW with fused kernels, no decay on biases and norms (train.py builds the schedule)."""
 
 import torch
 
@@ -34,25 +32,3 @@ def count_parameters(model) -> dict:
     sizes = [(getattr(p, "ds_numel", p.numel()), p.requires_grad) for p in model.parameters()]
     return {"trainable_params": sum(size for size, trainable in sizes if trainable),
             "total_params": sum(size for size, _ in sizes)}
-
-
-def build_scheduler(optimizer, name: str, lr: float, max_steps: int, warmup: float, min_lr_rate: float = 0.0):
-    """transformers' schedules: linear warm-up from 0 (``warmup``: a fraction of all steps if below 1, rounded up as
-    transformers does, else a step count), then linear, cosine or no decay, down to ``min_lr_rate`` x the peak;
-    ``one-cycle`` is PyTorch's OneCycleLR with the warm-up as its rising phase. ``lr``, the peak, replaces the rate
-    the optimizer was built with: a default peak may depend on the run's length, known only after the optimizer."""
-    for group in optimizer.param_groups:
-        group["lr"] = lr
-    warmup_steps = math.ceil(warmup * max_steps) if warmup < 1 else int(warmup)
-    if name == "one-cycle":
-        return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=lr, total_steps=max_steps,
-                                                   pct_start=max(warmup_steps, 1) / max_steps)
-    decay = {"linear": lambda progress: max(0.0, 1.0 - progress),
-             "cosine": lambda progress: max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress))),
-             "constant": lambda progress: 1.0}[name]
-
-    def factor(step: int) -> float:
-        if step < warmup_steps:
-            return step / max(1, warmup_steps)
-        return min_lr_rate + (1.0 - min_lr_rate) * decay((step - warmup_steps) / max(1, max_steps - warmup_steps))
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

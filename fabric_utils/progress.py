@@ -1,14 +1,20 @@
-"""What a run prints: the job's first process only, a bar on a terminal or plain lines in a log, no library noise."""
+"""What a run prints and measures as it trains: the job's first process prints, a bar on a terminal or plain lines in a
+log, no library noise; the loss, metrics and throughput go to the loggers."""
 
+import contextlib
 import datetime
 import logging
 import sys
 import time
 import warnings
+from collections.abc import Callable
 
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_only
+from lightning.fabric.utilities.throughput import ThroughputMonitor
 from tqdm import tqdm
+
+from fabric_utils.private import dynamo_counters
 
 
 @rank_zero_only
@@ -159,3 +165,69 @@ class Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+class Throughput:
+    """Rows, sizes and FLOPs counted on the host from batches before they move (no device read), for
+    ``ThroughputMonitor`` and ``stop()``, with torch.compile's recompiles after warm-up; the clock leaves out
+    ``paused()`` time (validation, checkpoints), so figures compare across validation settings."""
+
+    def __init__(self, fabric, peak_tflops: float | None, flops_of: Callable[[int, int, int], float] | None,
+                 sized: bool):
+        self.fabric, self.flops_of, self.sized = fabric, flops_of, sized
+        self.monitor = ThroughputMonitor(fabric, window_size=5)
+        if peak_tflops:  # Fabric knows the peak of common GPUs, not of CPUs nor of every GPU (H200)
+            self.monitor.available_flops = peak_tflops * 1e12
+        self.counts = torch.zeros(3, dtype=torch.int64)  # rows, sizes, sum of sizes², on the host
+        self.flops_logged = 0.0
+
+    def start(self, step: int) -> None:
+        if self.fabric.device.type == "cuda":  # a CPU process's peak resident memory cannot be reset
+            torch.cuda.reset_peak_memory_stats(self.fabric.device)  # not the batch-size finder's or warm-up's peak
+        self.start_time, self.start_step, self.paused_s = time.perf_counter(), step, 0.0
+        self.graphs_at_start = dynamo_counters["stats"]["unique_graphs"]
+
+    def recompiles(self) -> int:
+        """Graphs torch.compile built since ``start()`` (after warm-up): each a stall, none where shapes repeat."""
+        return dynamo_counters["stats"]["unique_graphs"] - self.graphs_at_start
+
+    @contextlib.contextmanager
+    def paused(self):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.paused_s += time.perf_counter() - start
+
+    def seconds(self) -> float:
+        return time.perf_counter() - self.start_time - self.paused_s
+
+    def count(self, rows: int, sizes: torch.Tensor | None) -> None:
+        """``rows`` is a Python int (the batch's shape); ``sizes`` each row's on the host, where the task gives them."""
+        if sizes is None:
+            self.counts[0] += rows
+        else:
+            self.counts += torch.stack((torch.ones_like(sizes).sum(), sizes.sum(), (sizes * sizes).sum()))
+
+    def log(self, step: int) -> dict:
+        rows, tokens, tokens_sq = self.counts.tolist()  # host sums: no device read
+        flops = self.flops_of(rows, tokens, tokens_sq) if self.flops_of else None
+        self.monitor.update(time=self.seconds(), batches=step - self.start_step, samples=rows,
+                            lengths=tokens if self.sized else None,  # it takes FLOPs since its last update
+                            flops=None if flops is None else flops - self.flops_logged)
+        self.flops_logged = flops
+        if dynamo_counters["stats"]["unique_graphs"]:  # a compiled model
+            self.fabric.log("compile/recompiles", self.recompiles(), step=step)
+        return self.monitor.compute_and_log(step=step)
+
+    def stop(self) -> dict:
+        """Over all ranks: seconds, rows/s, sizes/s (tokens/s; with sizes only), MFU (None: peak unknown)."""
+        seconds, peak = self.seconds(), self.monitor.available_flops
+        counts = self.counts.double().to(self.fabric.device)
+        rows, tokens, tokens_sq = self.fabric.all_reduce(counts, reduce_op="sum").tolist()
+        # linear in the sums: the job's FLOPs from the job's sums
+        flops = self.flops_of(rows, tokens, tokens_sq) if self.flops_of else None
+        return {"train_time_s": seconds, "train_samples_per_s": rows / seconds,
+                **({"train_tokens_per_s": tokens / seconds} if self.sized else {}),
+                "mfu": flops / seconds / (peak * self.fabric.world_size) if peak and flops is not None else None,
+                "recompiles_after_warm_up": self.recompiles()}

@@ -1,4 +1,4 @@
-"""Speed helpers the loop calls: backend switches, worker counts, FLOP counting for MFU, compile warm-up, and
+"""Speed helpers the loop calls: worker counts, FLOP counting for MFU, compile warm-up, peak memory, and
 ``--precision fp8-mixed``: torchao's float8 training (optional, requirements-dev.txt). Its Linear layers of the model's
 repeated blocks compute their matrix products in float8 (torchao's default recipe: e4m3 forward, e5m2 gradients, one
 dynamic scale per tensor) and keep fp32 weights; Fabric runs everything else in bf16-mixed autocast."""
@@ -10,7 +10,6 @@ import itertools
 import os
 import resource
 import socket
-import time
 import zlib
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -19,12 +18,12 @@ import numpy as np
 import torch
 from torch import nn
 from lightning.fabric.utilities.data import suggested_max_num_workers
-from lightning.fabric.utilities.throughput import ThroughputMonitor, measure_flops
+from lightning.fabric.utilities.throughput import measure_flops
 from lightning_utilities.core.apply_func import apply_to_collection
 
 from fabric_utils.args import FP8, FSDP2
 from fabric_utils.errors import UserError, first_line
-from fabric_utils.private import FakeTensorMode, dynamo_counters, shape_config
+from fabric_utils.private import FakeTensorMode, shape_config
 from fabric_utils.progress import say
 from fabric_utils.sharding import block_classes, full_shape
 
@@ -103,72 +102,6 @@ def matrix_weights(model: torch.nn.Module):
     tables = {id(module.weight) for module in model.modules() if isinstance(module, torch.nn.Embedding)}
     return [(name, param) for name, param in model.named_parameters()
             if len(full_shape(param)) >= 2 and id(param) not in tables]
-
-
-class Throughput:
-    """Rows, sizes and FLOPs counted on the host from batches before they move (no device read), for
-    ``ThroughputMonitor`` and ``stop()``, with torch.compile's recompiles after warm-up; the clock leaves out
-    ``paused()`` time (validation, checkpoints), so figures compare across validation settings."""
-
-    def __init__(self, fabric, peak_tflops: float | None, flops_of: Callable[[int, int, int], float] | None,
-                 sized: bool):
-        self.fabric, self.flops_of, self.sized = fabric, flops_of, sized
-        self.monitor = ThroughputMonitor(fabric, window_size=5)
-        if peak_tflops:  # Fabric knows the peak of common GPUs, not of CPUs nor of every GPU (H200)
-            self.monitor.available_flops = peak_tflops * 1e12
-        self.counts = torch.zeros(3, dtype=torch.int64)  # rows, sizes, sum of sizes², on the host
-        self.flops_logged = 0.0
-
-    def start(self, step: int) -> None:
-        if self.fabric.device.type == "cuda":  # a CPU process's peak resident memory cannot be reset
-            torch.cuda.reset_peak_memory_stats(self.fabric.device)  # not the batch-size finder's or warm-up's peak
-        self.start_time, self.start_step, self.paused_s = time.perf_counter(), step, 0.0
-        self.graphs_at_start = dynamo_counters["stats"]["unique_graphs"]
-
-    def recompiles(self) -> int:
-        """Graphs torch.compile built since ``start()`` (after warm-up): each a stall, none where shapes repeat."""
-        return dynamo_counters["stats"]["unique_graphs"] - self.graphs_at_start
-
-    @contextlib.contextmanager
-    def paused(self):
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.paused_s += time.perf_counter() - start
-
-    def seconds(self) -> float:
-        return time.perf_counter() - self.start_time - self.paused_s
-
-    def count(self, rows: int, sizes: torch.Tensor | None) -> None:
-        """``rows`` is a Python int (the batch's shape); ``sizes`` each row's on the host, where the task gives them."""
-        if sizes is None:
-            self.counts[0] += rows
-        else:
-            self.counts += torch.stack((torch.ones_like(sizes).sum(), sizes.sum(), (sizes * sizes).sum()))
-
-    def log(self, step: int) -> dict:
-        rows, tokens, tokens_sq = self.counts.tolist()  # host sums: no device read
-        flops = self.flops_of(rows, tokens, tokens_sq) if self.flops_of else None
-        self.monitor.update(time=self.seconds(), batches=step - self.start_step, samples=rows,
-                            lengths=tokens if self.sized else None,  # it takes FLOPs since its last update
-                            flops=None if flops is None else flops - self.flops_logged)
-        self.flops_logged = flops
-        if dynamo_counters["stats"]["unique_graphs"]:  # a compiled model
-            self.fabric.log("compile/recompiles", self.recompiles(), step=step)
-        return self.monitor.compute_and_log(step=step)
-
-    def stop(self) -> dict:
-        """Over all ranks: seconds, rows/s, sizes/s (tokens/s; with sizes only), MFU (None: peak unknown)."""
-        seconds, peak = self.seconds(), self.monitor.available_flops
-        counts = self.counts.double().to(self.fabric.device)
-        rows, tokens, tokens_sq = self.fabric.all_reduce(counts, reduce_op="sum").tolist()
-        # linear in the sums: the job's FLOPs from the job's sums
-        flops = self.flops_of(rows, tokens, tokens_sq) if self.flops_of else None
-        return {"train_time_s": seconds, "train_samples_per_s": rows / seconds,
-                **({"train_tokens_per_s": tokens / seconds} if self.sized else {}),
-                "mfu": flops / seconds / (peak * self.fabric.world_size) if peak and flops is not None else None,
-                "recompiles_after_warm_up": self.recompiles()}
 
 
 def compile_model(model: torch.nn.Module, mode: str | None = None, **kwargs) -> torch.nn.Module:

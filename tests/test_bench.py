@@ -11,8 +11,7 @@ from data.demo import prepare_demo
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import hf_trainer  # noqa: E402
-from fabric_utils.optim import build_scheduler  # noqa: E402
-from train import flag_parser  # noqa: E402
+from train import build_scheduler, flag_parser  # noqa: E402
 
 
 def test_hf_trainer_builds_the_templates_model_settings():

@@ -19,7 +19,8 @@ from transformers import PreTrainedTokenizerFast
 
 from conftest import REPO, build_fabric_from_flags, subprocess_env
 from data.demo import LABELS, prepare_demo
-from fabric_utils.speed import Throughput, default_num_workers
+from fabric_utils.progress import Throughput
+from fabric_utils.speed import default_num_workers
 import task
 from task import build_model, load_tokenizer
 import train

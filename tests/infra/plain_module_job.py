@@ -1,5 +1,6 @@
-"""A job with no Hugging Face in it: a plain ``torch.nn.Module`` with its own loss, trained through fabric_utils alone
-(launcher, optimizer and schedule, checkpoints and resume, throughput, progress, loggers) on any number of processes.
+"""A job with no Hugging Face in it: a plain ``torch.nn.Module`` with its own loss and a torch schedule, trained through
+fabric_utils alone (launcher, optimizer, checkpoints and resume, throughput, progress, loggers) on any number of
+processes.
 
     python tests/plain_module_job.py OUT_DIR --devices 2 --steps 8 [--stop-after 4] [--resume]
 
@@ -19,9 +20,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from fabric_utils.checkpoint import agreed_resume_checkpoint, load_checkpoint, save_checkpoint  # noqa: E402
 from fabric_utils.launcher import build_fabric, end_job, launch  # noqa: E402
 from fabric_utils.loggers import make_loggers  # noqa: E402
-from fabric_utils.optim import build_optimizer, build_scheduler  # noqa: E402
-from fabric_utils.progress import Progress  # noqa: E402
-from fabric_utils.speed import Throughput, training_flops_fn  # noqa: E402
+from fabric_utils.optim import build_optimizer  # noqa: E402
+from fabric_utils.progress import Progress, Throughput  # noqa: E402
+from fabric_utils.speed import training_flops_fn  # noqa: E402
 
 
 class Regressor(torch.nn.Module):
@@ -63,7 +64,7 @@ def main():
     model = fabric.setup_module(model)
     optimizer = fabric.setup_optimizers(build_optimizer(model, name="adamw", lr=3e-2, weight_decay=0.01,
                                                         device=fabric.device))
-    scheduler = build_scheduler(optimizer, "linear", lr=3e-2, max_steps=args.steps, warmup=2)
+    scheduler = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.1, total_iters=args.steps)
     state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "step": 0,
              "fingerprint": {"job": "plain"}}
     ckpt_dir = args.out_dir / "checkpoints"

@@ -1,11 +1,12 @@
-"""The learning-rate schedules are transformers' (fabric_utils must not import it, so they are written on torch's
+"""The learning-rate schedules are transformers' (train.py must not import it, so they are written on torch's
 LambdaLR); checked step by step against transformers' own. AdamW runs torch's fused kernel on a CPU too."""
 
 import pytest
 import torch
 from transformers import get_scheduler
 
-from fabric_utils.optim import build_optimizer, build_scheduler
+from fabric_utils.optim import build_optimizer
+from train import build_scheduler
 
 
 @pytest.mark.parametrize("name, theirs, min_lr_rate", [("linear", "linear", 0.0), ("cosine", "cosine", 0.0),
