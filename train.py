@@ -10,8 +10,7 @@ The task is task.py, whose setup() gives a `TaskSpec` (fabric_utils/task_spec.py
 """
 
 import task
-from fabric_utils.args import FP8, Config, build_parser, parse_flags
-from fabric_utils.errors import UserError, exit_on_user_error
+from fabric_utils import FP8, Config, TaskSpec, build_parser, exit_on_user_error, parse_flags
 
 
 def flag_parser():
@@ -22,14 +21,7 @@ def flag_parser():
 
 
 def parse_args(argv=None):
-    flags = parse_flags(flag_parser(), argv, presets=getattr(task, "PRESETS", {}))
-    if flags.fast_dev_run:  # N optimizer steps, CSV logs only (trackers write elsewhere), in a folder it removes
-        for flag in ("out_dir", "resume"):
-            if getattr(flags, flag):
-                raise UserError(f"--fast-dev-run runs in a temporary folder it removes: drop "
-                                f"--{flag.replace('_', '-')}")
-        vars(flags).update(max_steps=flags.fast_dev_run, logger="csv", save_every=None, val_every=None)
-    return flags
+    return parse_flags(flag_parser(), argv, presets=getattr(task, "PRESETS", {}))
 
 
 if __name__ == "__main__":
@@ -37,40 +29,23 @@ if __name__ == "__main__":
     exit_on_user_error(parse_args)()
 
 import dataclasses
-import functools
 import itertools
 import json
 import math
-import os
-import shutil
-import tempfile
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from torch.utils.data import Subset
 from torchmetrics import MeanMetric, SumMetric
 
-from fabric_utils import strategy
-from fabric_utils.batch_size import find_batch_size
-from fabric_utils.checkpoint import (agreed_resume_checkpoint, load_checkpoint, load_weights, read_record,
-                                     remove_checkpoint, save_checkpoint)
-from fabric_utils.export import export_model, save_weights
-from fabric_utils.launcher import build_fabric, explain_lost_peers, launch, warn_if_updates_vanish
-from fabric_utils.loaders import fill_rows, first_rows, make_dataloaders
-from fabric_utils.loggers import finalize_loggers, make_loggers, plot_metrics, save_tracker_ids
-from fabric_utils.optim import build_optimizer, count_parameters
-from fabric_utils.preemption import STATUS_FILE, Preemption
-from fabric_utils.pretrained import build_model, load_pretrained
-from fabric_utils.progress import Progress, Throughput, counted, say, shows_bars, silence_libraries
-from fabric_utils.run_folder import (RUN_DIR_ENV, environment_report, locked_run_folder, prepare_out_dir,
-                                     remove_if_unused, save_config, write_predictions)
-from fabric_utils.sharding import (cast_shards, compile_in_engine, full_shapes, prepare_for_setup, recompute_blocks,
-                                   shapes_by_name)
-from fabric_utils.task_spec import TaskSpec
-from fabric_utils.speed import (batch_kinds, compile_model, convert_to_float8, default_num_workers,
-                                 peak_memory_per_rank, processes_sharing, training_flops_fn, warm_up)
-from fabric_utils.threads import set_threads
+from fabric_utils import (
+    ROWS_PER_STEP, Preemption, Progress, Throughput, agreed_resume_checkpoint, batch_kinds, best_checkpoint, best_rule,
+    build_fabric, build_model, build_optimizer, cast_shards, compile_in_engine, compile_model, convert_to_float8,
+    count_parameters, counted, cut_splits, default_num_workers, environment_report, explain_lost_peers, export_model,
+    fill_rows, finalize_loggers, first_rows, fitting_batch_size, full_shapes, header, improves, keep_rows_per_step,
+    launch, load_checkpoint, load_pretrained, load_weights, locked_run_folder, make_dataloaders, make_loggers,
+    peak_memory_per_rank, plot_metrics, prepare_for_setup, proposed_run_folder, remove_checkpoint, save_checkpoint,
+    save_config, say, set_threads, shapes_by_name, shows_bars, silence_libraries, strategy, training_flops_fn, warm_up,
+    warn_if_updates_vanish, write_predictions)
 
 
 @exit_on_user_error
@@ -78,11 +53,7 @@ def setup(argv=None) -> dict:
     flags = parse_args(argv)
     if not flags.verbose:
         silence_libraries()
-    check_dir = None
-    if flags.fast_dev_run and RUN_DIR_ENV not in os.environ:  # one temporary folder for every process this one starts
-        check_dir = os.environ[RUN_DIR_ENV] = tempfile.mkdtemp(prefix="fabric-template-check-")
-    out_dir, created = prepare_out_dir(flags.out_dir, resume=flags.resume)
-    try:
+    with proposed_run_folder(flags.out_dir, flags.resume, temporary=bool(flags.fast_dev_run)) as out_dir:
         loggers = make_loggers(flags.logger, out_dir, project=flags.tracker_project, resume=bool(flags.resume))
         fabric = build_fabric(accelerator=flags.accelerator, devices=flags.devices, num_nodes=flags.num_nodes,
                               strategy=flags.strategy, precision=flags.precision, grad_clip=flags.grad_clip,
@@ -91,27 +62,12 @@ def setup(argv=None) -> dict:
         # nodes started apart in time agree on rank 0's folder
         with locked_run_folder(fabric, out_dir) as run_dir, explain_lost_peers(fabric):
             return main(fabric, flags, run_dir)
-    finally:
-        if created:  # a start that failed before writing anything leaves no folder behind
-            remove_if_unused(out_dir)
-        if check_dir:  # by the process that made it: the processes it started share it
-            shutil.rmtree(check_dir, ignore_errors=True)
-            say(f"--fast-dev-run: removed its folder {check_dir}")
-
-
-def cut_splits(spec: TaskSpec, rows: dict[str, int]) -> TaskSpec:
-    """``spec`` with each split cut to its first ``rows[split]`` rows (--fast-dev-run): whatever the task."""
-    datasets = {name: Subset(split, range(min(len(split), rows[name]))) for name, split in spec.datasets.items()}
-    lengths = spec.lengths and dataclasses.replace(spec.lengths, per_split={
-        name: [lengths[i] for i in range(len(datasets[name]))] for name, lengths in spec.lengths.per_split.items()})
-    # a run of a few steps is at chance by design: no line saying it did not learn
-    return dataclasses.replace(spec, datasets=datasets, lengths=lengths, chance_loss=None)
 
 
 def main(fabric, flags, out_dir: Path) -> dict:
     fabric.seed_everything(flags.seed)
     # before any heavy work: threads beyond the cores, this job's or another's, fight and the run crawls
-    threads = set_threads(flags.num_threads, sharing=processes_sharing(fabric, os.sched_getaffinity(0)))
+    threads = set_threads(fabric, flags.num_threads)
     preemption = Preemption()  # from here on, SIGTERM/SIGUSR1 lead to a checkpoint, not a lost run
     if fabric.device.type == "cuda":  # TF32 matrix products and cuDNN autotuning: free speed on Ampere+ GPUs
         torch.set_float32_matmul_precision("high")
@@ -125,16 +81,18 @@ def main(fabric, flags, out_dir: Path) -> dict:
         spec: TaskSpec = task.setup(flags, verbose=shows_bars(fabric, flags.quiet, flags.verbose))
 
     resume_from = agreed_resume_checkpoint(fabric, flags.resume, out_dir / "checkpoints", report=say)
-    model, optimizer, torch_optimizer, flops_of, params = build(fabric, flags, spec, pretrained=not resume_from)
-    batch_size = fitting_batch_size(fabric, flags.batch_size, spec, model, optimizer)
+
+    def loss_fn(model, batch: dict) -> torch.Tensor:  # a batch's training loss: to count FLOPs, probe, warm up
+        return spec.objective.loss(spec.objective.forward(model, batch), batch)
+
+    model, optimizer, torch_optimizer, flops_of, params = build(fabric, flags, spec, loss_fn,
+                                                                pretrained=not resume_from)
+    batch_size = fitting_batch_size(fabric, flags.batch_size, spec, model, optimizer, loss_fn)
     # a requeued job may come back on fewer devices: it continues with the same optimizer steps
-    grad_accum = keep_rows_per_step(fabric, batch_size, flags.grad_accum, read_record(resume_from)) if resume_from \
-        else flags.grad_accum
+    grad_accum = keep_rows_per_step(fabric, batch_size, flags.grad_accum, resume_from)
     if flags.fast_dev_run:  # N batches of each split on every process
-        batches = flags.fast_dev_run * fabric.world_size
-        eval_rows = batches * (flags.eval_batch_size or 2 * batch_size)
-        spec = cut_splits(spec, {"train": batches * batch_size * grad_accum, "validation": eval_rows,
-                                 "test": eval_rows})
+        spec = cut_splits(spec, flags.fast_dev_run * fabric.world_size, train_rows=batch_size * grad_accum,
+                          eval_rows=flags.eval_batch_size or 2 * batch_size)
     loaders = make_loaders(fabric, flags, spec, batch_size=batch_size, grad_accum=grad_accum)
     steps_per_epoch = math.ceil(len(loaders["train"]) / grad_accum)
     max_steps = flags.max_steps or flags.epochs * steps_per_epoch
@@ -149,13 +107,12 @@ def main(fabric, flags, out_dir: Path) -> dict:
     state = restore(fabric, config, spec, model, optimizer, scheduler, max_steps, checkpoint=resume_from)
     # only now: bad data, model or checkpoint leave the folder as it was; each resumed segment keeps its own flags
     save_config(fabric, config, out_dir, resumed_at=state.step if resume_from else None, environment=env)
-    save_tracker_ids(fabric, out_dir)  # starts the tracked runs (MLflow, W&B) and keeps their ids for a resume
     if not config.quiet:
         say(header(fabric, config, spec, max_steps, steps_per_epoch, out_dir, threads, rule))
 
     preempted, throughput = fit(fabric, config, state, loaders=loaders, preemption=preemption,
                                 ckpt_dir=out_dir / "checkpoints", max_steps=max_steps, steps_per_epoch=steps_per_epoch,
-                                flops_of=flops_of, spec=spec, rule=rule)
+                                flops_of=flops_of, spec=spec, rule=rule, loss_fn=loss_fn)
     if preempted:
         finalize_loggers(fabric.loggers, status="preempted")  # this segment's metrics stay on disk
         say(f"preempted: saved a checkpoint at step {state.step}; rerun with --resume auto")
@@ -164,38 +121,24 @@ def main(fabric, flags, out_dir: Path) -> dict:
     preemption.training_ended()
     results = finish(fabric, config, state, loaders=loaders, out_dir=out_dir, spec=spec,
                      report={**throughput, **params, "environment": env})
-    preemption.close(fabric, loaders)  # workers, then the process group: nothing left for teardown to trip on
+    preemption.close(fabric, loaders, completed=out_dir)  # workers, then the process group, before teardown
     return results
 
 
-def fitting_batch_size(fabric, batch_size: int | str, spec: TaskSpec, model, optimizer) -> int:
-    """--batch-size, or the largest that fits with ``auto`` (probed on the model and optimizer as set up: wrapped,
-    sharded, with state); at most the training rows per device (the header and config.yaml say what is used)."""
-    if batch_size == "auto":
-        batch_size = find_batch_size(fabric, model, optimizer, loss_fn=functools.partial(training_loss, spec.objective),
-                                     make_batch=lambda rows: spec.example_batch(rows, None, fabric.device))
-    per_device = math.ceil(len(spec.datasets["train"]) / fabric.world_size)
-    if batch_size > per_device:
-        say(f"--batch-size {batch_size} is more than the {per_device:,} training rows per device: using {per_device}")
-    return min(batch_size, per_device)
-
-
-def build(fabric, args, spec: TaskSpec, pretrained: bool):
+def build(fabric, args, spec: TaskSpec, loss_fn, pretrained: bool):
     """The task's model and optimizer set up by Fabric, the torch optimizer inside (for the schedule), the FLOPs per
-    training step (for MFU) and parameter counts; ``pretrained`` loads the task's values (else a checkpoint will)."""
+    training step (MFU) and parameter counts; ``pretrained``: load the task's values (else a checkpoint will)."""
     # under fsdp, fsdp2 and ZeRO-3 already sharded, filled with the pretrained values after set-up
-    model, source = build_model(fabric, spec.build_model, spec.build_skeleton, pretrained=pretrained)
-    if args.grad_checkpointing and not strategy.checkpoints_blocks(fabric):
-        recompute_blocks(model)  # FSDP and FSDP2 recompute the blocks they shard themselves
+    model, source = build_model(fabric, spec.build_model, spec.build_skeleton, pretrained=pretrained,
+                                grad_checkpointing=args.grad_checkpointing)
     params = count_parameters(model)
-    step_loss = functools.partial(training_loss, spec.objective)
     flops_of = training_flops_fn(  # FLOPs of forward and backward, for MFU
-        model, step_loss, lambda size: spec.example_batch(1, size, "cpu"),
+        model, loss_fn, lambda size: spec.example_batch(1, size, "cpu"),
         max_size=spec.lengths.longest if spec.lengths else None)
     if args.precision == FP8:  # before compiling and set-up, which wrap the float8 layers as any other
         convert_to_float8(model)
     if args.compile:  # fabric.setup recompiles it around the strategy's wrapper
-        model = compile_model(model, mode=compile_mode(fabric, args.compile_mode))
+        model = compile_model(model, args.compile_mode, cuda_graphs=strategy.fits_cuda_graphs(fabric))
     model, compiled = prepare_for_setup(fabric, model)  # fp32 weights to update; DeepSpeed compiles in its engine
     shapes = full_shapes(model)  # before FSDP flattens them: AdamW decays only the matrices
 
@@ -239,16 +182,6 @@ def build_scheduler(optimizer, name: str, lr: float, max_steps: int, warmup: flo
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def compile_mode(fabric, mode: str) -> str:
-    """--compile-mode, whose default on CUDA under one device or DDP is reduce-overhead: CUDA graphs launch a step's
-    hundreds of kernels at once, as batches come in a few shapes (buckets); sharded strategies gather parameters
-    between kernels, which a graph cannot hold."""
-    return "reduce-overhead" if mode == "default" and strategy.fits_cuda_graphs(fabric) else mode
-
-
-ROWS_PER_STEP = "rows per optimizer step (--batch-size x devices x --grad-accum)"
-
-
 @dataclasses.dataclass
 class TrainState:
     """What a step checkpoint holds (its fields, by name): the model, optimizer and schedule, and where the run is."""
@@ -285,68 +218,6 @@ def restore(fabric, config, spec: TaskSpec, model, optimizer, scheduler, max_ste
     return state
 
 
-def best_rule(objective, choice: str | None) -> tuple[str, str, Callable[[float, float | None], bool]]:
-    """The validation metric that picks checkpoints/best, its direction and its comparison: the task's, or
-    ``--best-metric NAME[:max|:min]`` (the loss, or a metric whose torchmetrics class knows its direction)."""
-    if choice is None:
-        direction = {True: "max", False: "min"}.get(getattr(objective, "higher_is_better", None), "the task's rule")
-        return objective.best_metric, direction, objective.is_better
-    name, _, direction = choice.partition(":")
-    metrics = objective.make_metrics()
-    if name != "loss" and name not in metrics:
-        raise UserError(f"--best-metric {choice}: the validation metrics are {', '.join(['loss', *metrics])}")
-    if not direction:
-        higher = False if name == "loss" else getattr(metrics[name], "higher_is_better", None)
-        if higher is None:
-            raise UserError(f"--best-metric {name}: its direction is not known; pass {name}:max or {name}:min")
-        direction = "max" if higher else "min"
-    if direction not in ("max", "min"):
-        raise UserError(f"--best-metric {choice}: the direction is max or min, got {direction}")
-    return name, direction, lambda value, best: best is None or (value > best if direction == "max" else value < best)
-
-
-def improves(val: dict, best: dict, metric: str, is_better) -> bool:
-    """Whether validation results ``val`` beat ``best``'s on ``metric``; a tie (an accuracy of 1.0 reached early, say)
-    goes to the lower validation loss, so the export is the model that went on learning."""
-    if best and val[metric] == best[metric]:
-        return val["loss"] < best["loss"]
-    return is_better(val[metric], best.get(metric))
-
-
-def header(fabric, config, spec: TaskSpec, max_steps: int, steps_per_epoch: int, out_dir: Path, threads: str,
-           rule: tuple) -> str:
-    """What the run is about to do, in four lines."""
-    splits = ", ".join(f"{len(rows):,} {name}" for name, rows in spec.datasets.items())
-    devices, nodes = fabric.world_size, getattr(fabric.strategy, "num_nodes", 1)
-    return "\n".join([
-        f"data      {splits} rows",
-        f"training  {max_steps:,} optimizer steps ({max_steps / steps_per_epoch:.3g} "
-        f"epoch{'s' * (max_steps != steps_per_epoch)} of {steps_per_epoch:,}), "
-        f"{config.batch_size * devices * config.grad_accum:,} rows each ({config.batch_size} per device x "
-        f"{devices} device{'s' * (devices > 1)} x --grad-accum {config.grad_accum}), peak --lr {config.lr:.3g}",
-        f"launch    {devices} {fabric.device.type} process{'es' * (devices > 1)}"
-        + (f" on {nodes} nodes" if nodes > 1 else "")
-        + f", {type(fabric.strategy).__name__}, precision {fabric.strategy.precision.precision}, {threads} per process",
-        f"run       {out_dir} (environment.json there: versions and hardware), checkpoints/best by validation "
-        f"{rule[0]} ({rule[1]})"])
-
-
-def keep_rows_per_step(fabric, batch_size: int, grad_accum: int, record: dict) -> int:
-    """The --grad-accum that keeps a checkpoint's rows per optimizer step (so the same rows) on this many devices."""
-    written_by, rows = record["world_size"], record["fingerprint"][ROWS_PER_STEP]
-    if written_by == fabric.world_size:
-        return grad_accum
-    rows_per_batch = batch_size * fabric.world_size
-    if rows % rows_per_batch:
-        fix = (f"pass a --batch-size that divides {rows // fabric.world_size}" if rows % fabric.world_size == 0
-               else f"resume on a number of devices that divides {rows}")
-        raise UserError(f"cannot continue {rows} rows per optimizer step on {fabric.world_size} devices with "
-                        f"--batch-size {batch_size}: {fix}")
-    say(f"resuming with world size {fabric.world_size} instead of {written_by}: --grad-accum "
-        f"{rows // rows_per_batch} keeps {rows} rows per optimizer step")
-    return rows // rows_per_batch
-
-
 def make_loaders(fabric, flags, spec: TaskSpec, batch_size: int, grad_accum: int) -> dict:
     loaders = make_dataloaders(
         spec.datasets, spec.collate, spec.lengths and spec.lengths.per_split, batch_size=batch_size,
@@ -360,12 +231,8 @@ def make_loaders(fabric, flags, spec: TaskSpec, batch_size: int, grad_accum: int
                                                       move_to_device=False)))
 
 
-def training_loss(objective, model, batch: dict) -> torch.Tensor:
-    return objective.loss(objective.forward(model, batch), batch)
-
-
 def fit(fabric, config, state: TrainState, loaders, preemption, ckpt_dir, max_steps, steps_per_epoch, flops_of,
-        spec: TaskSpec, rule: tuple) -> tuple[bool, dict]:
+        spec: TaskSpec, rule: tuple, loss_fn) -> tuple[bool, dict]:
     """Trains until ``max_steps``, early stopping or preemption (``rule``: best_rule's, which keeps checkpoints/best);
     returns whether it was preempted, and the training throughput."""
     model, optimizer, scheduler, train_loader = state.model, state.optimizer, state.scheduler, loaders["train"]
@@ -377,7 +244,7 @@ def fit(fabric, config, state: TrainState, loaders, preemption, ckpt_dir, max_st
     if config.compile:
         kinds = batch_kinds(itertools.chain([spec.example_batch(config.batch_size, None, "cpu")], train_loader))
         warm_up(fabric, model, optimizer, [fabric.to_device(fill_rows(batch, config.batch_size)) for batch in kinds],
-                functools.partial(training_loss, objective))
+                loss_fn)
     clips = config.grad_clip and strategy.clips_in_loop(fabric)  # DeepSpeed clips inside optimizer.step()
     fabric.barrier()
     monitor.start(state.step)
@@ -411,14 +278,14 @@ def fit(fabric, config, state: TrainState, loaders, preemption, ckpt_dir, max_st
             state.step = step = state.step + 1
 
             if step % config.log_every == 0 or step == max_steps:  # the only host-device syncs of the hot loop
-                log_step(fabric, progress, monitor, step, lr=scheduler.get_last_lr()[0], max_lr=config.lr)
+                progress.log_step(step, lr=scheduler.get_last_lr()[0], max_lr=config.lr, throughput=monitor)
             preempted = preemption.agreed(fabric)
             epoch_ends = state.batch_in_epoch == epoch_batches
             if epoch_ends or (config.val_every and step % config.val_every == 0) or step == max_steps:
                 with monitor.paused():  # the throughput clock counts training time only
                     val = validate(fabric, model, loaders["validation"], objective=objective, step=step,
                                    show=progress.note, quiet=config.quiet)
-                    warn_if_stuck(progress, val["loss"], step, max_lr=config.lr)
+                    progress.warn_if_stuck(val["loss"], step, max_lr=config.lr)
                     if improves(val, state.best_val, metric=rule[0], is_better=rule[2]):
                         state.best_val, stale = val, 0  # the best model so far is kept as checkpoints/best
                         best = {"model": model, "fingerprint": state.fingerprint, "step": step}
@@ -439,26 +306,6 @@ def fit(fabric, config, state: TrainState, loaders, preemption, ckpt_dir, max_st
     return preempted, monitor.stop()
 
 
-def log_step(fabric, progress, monitor, step, lr, max_lr) -> None:
-    logged = progress.log(step, lr)
-    # the same loss on every rank, so all stop together; non-finite means diverged (16-mixed's overflows are left out)
-    if not math.isfinite(logged["train/loss"]):
-        raise UserError(f"the training loss became {logged['train/loss']} by step {step}: lower --lr (now {max_lr}), "
-                        f"keep --grad-clip on, or use --precision bf16-mixed/32-true")
-    monitor.log(step)  # throughput and MFU, to the loggers
-    progress.show()
-
-
-def warn_if_stuck(progress, val_loss, step, max_lr) -> None:
-    """At the run's end: one line if its training and validation losses are where ignoring the inputs is."""
-    if progress.stuck_at_chance(val_loss):
-        chance = progress.chance_loss
-        say(f"the training loss stayed at chance level ({chance['train']:.3g}, or just under: what a model that "
-            f"ignores its inputs scores) over the last quarter of the run, and the validation loss ended there too "
-            f"({val_loss:.3g} against {chance['validation']:.3g}), up to step {step}: it has not learned; try a lower "
-            f"--lr (now {max_lr:g}) if the loss jumped there at once, else a higher one or more --epochs")
-
-
 def validate(fabric, model, loader, objective, step, show, quiet: bool) -> dict:
     """Evaluates on the validation split, logs the result and ``show``s it."""
     val = evaluate(fabric, model, loader, objective=objective, shown_as=None if quiet else "validation")
@@ -469,9 +316,8 @@ def validate(fabric, model, loader, objective, step, show, quiet: bool) -> dict:
 
 @torch.no_grad()
 def evaluate(fabric, model, loader, objective, predict: bool = False, shown_as: str | None = None) -> dict:
-    """Loss and the task's metrics over every row of the split exactly once, summed over all ranks; with
-    ``predict``, also ``"predictions"``: the objective's columns for every row, in the split's row order. Progress is
-    shown under the name ``shown_as`` (None: not shown)."""
+    """Loss and the task's metrics over every row of the split exactly once, summed over all ranks, shown as
+    ``shown_as``; with ``predict``, also ``"predictions"``: the objective's columns per row, in the split's order."""
     model.eval()
     mean_loss, rows = MeanMetric().to(fabric.device), SumMetric().to(fabric.device)
     metrics = objective.make_metrics().to(fabric.device)
@@ -496,34 +342,18 @@ def evaluate(fabric, model, loader, objective, predict: bool = False, shown_as: 
     result = {"loss": mean_loss.compute().item(), **{k: v.item() for k, v in metrics.compute().items()},
               "examples": int(rows.compute().item())}
     if predict:
-        result["predictions"] = gather_rows(fabric, loader.batch_sampler, predicted)
+        result["predictions"] = loader.batch_sampler.gather(fabric, predicted)
     return result
-
-
-def gather_rows(fabric, sampler, columns: list[dict]) -> dict:
-    """Each rank's per-row columns (a dict per batch) gathered over ranks: each real row once, in the split's order."""
-    mine = {name: torch.cat([batch[name] for batch in columns]) for name in columns[0]}
-    mine["row"] = torch.tensor(sampler.indices, device=fabric.device)
-    mine["real"] = (torch.arange(len(sampler.indices), device=fabric.device) < sampler.num_real).int()
-    every = {name: value.flatten(0, 1) if fabric.world_size > 1 else value
-             for name, value in fabric.all_gather(mine).items()}
-    real = every.pop("real").bool()
-    order = every["row"][real].argsort()
-    return {"row": every.pop("row")[real][order], **{name: value[real][order] for name, value in every.items()}}
 
 
 def finish(fabric, config, state: TrainState, loaders, out_dir, spec: TaskSpec, report) -> dict:
     """Tests the best model, exports it and writes results.json (with ``report``: what else the run knows); then
     removes checkpoints/best, whose weights model/ holds, unless --keep-best-checkpoint."""
-    model, best, results_file = state.model, out_dir / "checkpoints" / "best", out_dir / "results.json"
-    if not best.exists() and results_file.exists():  # a resume of this finished run found no better model
+    model, best, results_file = state.model, best_checkpoint(out_dir), out_dir / "results.json"
+    if best is None:  # a resume of this finished run found no better model
         finalize_loggers(fabric.loggers)
         say(f"the best model is still {out_dir}/model, tested in results.json when the run first finished")
         return json.loads(results_file.read_text())
-    if not best.exists():  # removed when the run first finished, and its results.json since
-        raise UserError(f"{best} is gone (a finished run removes it: model/ holds its weights) and so is "
-                        f"{results_file}: nothing is left to test; start a new --out-dir (or keep it next time with "
-                        f"--keep-best-checkpoint)")
     load_weights(fabric, best / "state", model)
     objective = spec.objective
     test = evaluate(fabric, model, loaders["test"], objective=objective, predict=True,
@@ -531,9 +361,7 @@ def finish(fabric, config, state: TrainState, loaders, out_dir, spec: TaskSpec, 
     predictions = test.pop("predictions")
     # what training and testing held on each rank, before the export gathers the whole model on rank 0's host
     peaks = peak_memory_per_rank(fabric)
-    export = spec.export or functools.partial(save_weights, fingerprint=spec.fingerprint)
-    export_model(fabric, best / "state", out_dir / "model",
-                 write=lambda weights, folder: export(weights, model, folder))
+    export_model(fabric, best / "state", out_dir / "model", model, spec.fingerprint, write=spec.export)
     results = {**{f"val_{k}": v for k, v in state.best_val.items()}, **{f"test_{k}": v for k, v in test.items()},
                "train_examples": len(spec.datasets["train"]), "steps": state.step,
                "epochs": state.epoch + (state.batch_in_epoch > 0), "world_size": fabric.world_size,
@@ -544,7 +372,6 @@ def finish(fabric, config, state: TrainState, loaders, out_dir, spec: TaskSpec, 
         write_predictions(out_dir / "test_predictions.csv",
                           objective.table(predictions) if hasattr(objective, "table") else predictions)
         results_file.write_text(json.dumps(results, indent=2))
-        (out_dir / STATUS_FILE).unlink(missing_ok=True)  # a resumed run that completed is no longer preempted
         if not config.keep_best_checkpoint:  # every rank has read it: export_model ends in a barrier
             remove_checkpoint(best)
         plot_metrics(out_dir)

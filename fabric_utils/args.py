@@ -210,7 +210,7 @@ def build_parser(description: str) -> argparse.ArgumentParser:
 def parse_flags(parser: argparse.ArgumentParser, argv=None, presets: dict | None = None) -> argparse.Namespace:
     """Parses ``argv``; ``--config FILE`` values (resuming a run folder: its ``config.yaml``'s) become defaults, and
     ``presets`` maps a flag to the defaults it brings when set (``{"demo": {"epochs": 1}}``): the file wins over
-    presets, the command line over both."""
+    presets, the command line over both; ``--fast-dev-run`` then sets what it overrides."""
     args = parser.parse_args(argv)
     config_file = args.config or run_config(args.out_dir, args.resume)
     config = load_config(config_file, parser) if config_file else {}
@@ -224,6 +224,12 @@ def parse_flags(parser: argparse.ArgumentParser, argv=None, presets: dict | None
         if name not in LOGGER_NAMES:
             raise UserError(f"unknown logger {name!r}: --logger takes a comma list of {', '.join(LOGGER_NAMES)}")
     fabric_run_settings({name: getattr(args, name) for name in LAUNCH_DEFAULTS})  # checked before torch loads
+    if args.fast_dev_run:  # N optimizer steps, CSV logs only (trackers write elsewhere), in a folder it removes
+        for flag in ("out_dir", "resume"):
+            if getattr(args, flag):
+                raise UserError(f"--fast-dev-run runs in a temporary folder it removes: drop "
+                                f"--{flag.replace('_', '-')}")
+        vars(args).update(max_steps=args.fast_dev_run, logger="csv", save_every=None, val_every=None)
     return args
 
 

@@ -21,12 +21,14 @@ from torch.distributed.checkpoint import CheckpointException
 
 from fabric_utils import strategy
 from fabric_utils.errors import UserError, first_line
+from fabric_utils.progress import say
 from fabric_utils.safe_pickle import check_folder, load_torch_file
 
 STEP_PATTERN = re.compile(r"^step-(\d+)$")
 MANIFEST = "manifest.json"
 RECORD = "record.json"
 FINGERPRINT = "fingerprint"
+ROWS_PER_STEP = "rows per optimizer step (--batch-size x devices x --grad-accum)"  # a fingerprint key
 
 
 def rng_state() -> dict:
@@ -315,3 +317,61 @@ def _check_fingerprint(path: Path, found, expected: dict) -> None:
         changes = ", ".join(f"{k} {found.get(k)} (now {expected.get(k)})" for k in differ)
         raise UserError(f"checkpoint {path} was written with {changes}; resume with the same flags, or start a new "
                         f"--out-dir")
+
+
+def keep_rows_per_step(fabric, batch_size: int, grad_accum: int, checkpoint: Path | None) -> int:
+    """The --grad-accum that keeps ``checkpoint``'s rows per optimizer step (so the same rows) on this many devices."""
+    if checkpoint is None:
+        return grad_accum
+    record = read_record(checkpoint)
+    written_by, rows = record["world_size"], record[FINGERPRINT][ROWS_PER_STEP]
+    if written_by == fabric.world_size:
+        return grad_accum
+    rows_per_batch = batch_size * fabric.world_size
+    if rows % rows_per_batch:
+        fix = (f"pass a --batch-size that divides {rows // fabric.world_size}" if rows % fabric.world_size == 0
+               else f"resume on a number of devices that divides {rows}")
+        raise UserError(f"cannot continue {rows} rows per optimizer step on {fabric.world_size} devices with "
+                        f"--batch-size {batch_size}: {fix}")
+    say(f"resuming with world size {fabric.world_size} instead of {written_by}: --grad-accum "
+        f"{rows // rows_per_batch} keeps {rows} rows per optimizer step")
+    return rows // rows_per_batch
+
+
+def best_checkpoint(out_dir: Path) -> Path | None:
+    """The run's checkpoints/best to test, or None where a resume of a finished run found no better model (its
+    results.json holds the test); a one-line error where both are gone."""
+    best, results_file = out_dir / "checkpoints" / "best", out_dir / "results.json"
+    if best.exists() or results_file.exists():
+        return best if best.exists() else None
+    raise UserError(f"{best} is gone (a finished run removes it: model/ holds its weights) and so is {results_file}: "
+                    f"nothing is left to test; start a new --out-dir (or keep it next time with "
+                    f"--keep-best-checkpoint)")
+
+
+def best_rule(objective, choice: str | None) -> tuple[str, str, Callable[[float, float | None], bool]]:
+    """The validation metric that picks checkpoints/best, its direction and its comparison: the task's, or
+    ``--best-metric NAME[:max|:min]`` (the loss, or a metric whose torchmetrics class knows its direction)."""
+    if choice is None:
+        direction = {True: "max", False: "min"}.get(getattr(objective, "higher_is_better", None), "the task's rule")
+        return objective.best_metric, direction, objective.is_better
+    name, _, direction = choice.partition(":")
+    metrics = objective.make_metrics()
+    if name != "loss" and name not in metrics:
+        raise UserError(f"--best-metric {choice}: the validation metrics are {', '.join(['loss', *metrics])}")
+    if not direction:
+        higher = False if name == "loss" else getattr(metrics[name], "higher_is_better", None)
+        if higher is None:
+            raise UserError(f"--best-metric {name}: its direction is not known; pass {name}:max or {name}:min")
+        direction = "max" if higher else "min"
+    if direction not in ("max", "min"):
+        raise UserError(f"--best-metric {choice}: the direction is max or min, got {direction}")
+    return name, direction, lambda value, best: best is None or (value > best if direction == "max" else value < best)
+
+
+def improves(val: dict, best: dict, metric: str, is_better) -> bool:
+    """Whether validation results ``val`` beat ``best``'s on ``metric``; a tie (an accuracy of 1.0 reached early, say)
+    goes to the lower validation loss, so the export is the model that went on learning."""
+    if best and val[metric] == best[metric]:
+        return val["loss"] < best["loss"]
+    return is_better(val[metric], best.get(metric))

@@ -34,13 +34,19 @@ def save_weights(weights: dict, model: torch.nn.Module, folder: Path, fingerprin
     (folder / "config.json").write_text(json.dumps(fingerprint, indent=2))
 
 
-def export_model(fabric, best_state: Path, out: Path, write: Callable[[dict, Path], None]) -> None:
-    """On rank 0, ``write(weights, folder)`` into a temporary folder that then replaces ``out``: never half written."""
+def export_model(fabric, best_state: Path, out: Path, model: torch.nn.Module, fingerprint: dict,
+                 write: Callable[[dict, torch.nn.Module, Path], None] | None = None) -> None:
+    """On rank 0, the task's ``write(weights, model, folder)`` (else ``save_weights``) into a temporary folder that
+    then replaces ``out``: never half written."""
     if fabric.is_global_zero:
         tmp = out.with_name(f".tmp-{out.name}")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        write(full_state_dict(best_state), tmp)
+        weights = full_state_dict(best_state)
+        if write is None:
+            save_weights(weights, model, tmp, fingerprint)
+        else:
+            write(weights, model, tmp)
         shutil.rmtree(out, ignore_errors=True)
         tmp.rename(out)
     fabric.barrier()

@@ -2,12 +2,13 @@
 Training sees every row once per epoch, on one rank; evaluation scores every row once, a rank one row short repeating
 one (``EvalBatchSampler.num_real``), as sharded strategies need every rank in every forward."""
 
+import dataclasses
 import math
 import signal
 from collections.abc import Callable, Sequence
 
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 
 
 class TrainBatchSampler(Sampler[list[int]]):
@@ -68,6 +69,18 @@ class EvalBatchSampler(Sampler[list[int]]):
     def __len__(self) -> int:
         return math.ceil(len(self.indices) / self.batch_size)
 
+    def gather(self, fabric, columns: list[dict]) -> dict:
+        """Each rank's per-row columns (a dict per batch) gathered over ranks: each real row once, in the split's
+        order."""
+        mine = {name: torch.cat([batch[name] for batch in columns]) for name in columns[0]}
+        mine["row"] = torch.tensor(self.indices, device=fabric.device)
+        mine["real"] = (torch.arange(len(self.indices), device=fabric.device) < self.num_real).int()
+        every = {name: value.flatten(0, 1) if fabric.world_size > 1 else value
+                 for name, value in fabric.all_gather(mine).items()}
+        real = every.pop("real").bool()
+        order = every["row"][real].argsort()
+        return {"row": every.pop("row")[real][order], **{name: value[real][order] for name, value in every.items()}}
+
 
 def fill_rows(batch: dict, rows: int) -> dict:
     """``batch`` with ``rows`` rows, a short one's last row repeated: every batch of one length has one shape (compiled
@@ -105,3 +118,14 @@ def make_dataloaders(datasets: dict[str, Dataset], collate: Callable[[list], dic
                              # not the global RNG: seeding workers from it would shift dropout masks after a resume
                              generator=torch.Generator().manual_seed(seed))
             for name, sampler in samplers.items()}
+
+
+def cut_splits(spec, batches: int, train_rows: int, eval_rows: int):
+    """``spec`` with each split cut to its first ``batches`` batches (--fast-dev-run), of ``train_rows`` rows in
+    training and ``eval_rows`` in evaluation: whatever the task."""
+    rows = {"train": batches * train_rows, "validation": batches * eval_rows, "test": batches * eval_rows}
+    datasets = {name: Subset(split, range(min(len(split), rows[name]))) for name, split in spec.datasets.items()}
+    lengths = spec.lengths and dataclasses.replace(spec.lengths, per_split={
+        name: [lengths[i] for i in range(len(datasets[name]))] for name, lengths in spec.lengths.per_split.items()})
+    # a run of a few steps is at chance by design: no line saying it did not learn
+    return dataclasses.replace(spec, datasets=datasets, lengths=lengths, chance_loss=None)

@@ -81,9 +81,12 @@ class Preemption:
                 time.sleep(0.05)
         raise SystemExit(EXIT_PREEMPTED)
 
-    def close(self, fabric, loaders: dict) -> None:
+    def close(self, fabric, loaders: dict, completed: Path | None = None) -> None:
         """Ends this rank's part: workers, barrier, process group. SIGTERM and SIGUSR1 are then ignored (teardown
-        would reset a Python handler to the fatal default); Ctrl-C goes back to its previous handler."""
+        would reset a Python handler to the fatal default); Ctrl-C goes back to its previous handler. A run that
+        ``completed`` in that folder is no longer preempted: its ``STATUS_FILE`` goes."""
+        if completed is not None and fabric.is_global_zero:
+            (completed / STATUS_FILE).unlink(missing_ok=True)
         for loader in loaders.values():
             stop_workers(loader)
         if self.vote is not None:  # the last vote, still in flight on the vote group

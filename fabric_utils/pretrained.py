@@ -12,14 +12,23 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
 from fabric_utils import strategy
 from fabric_utils.progress import say
-from fabric_utils.sharding import materialize, unwrapped_name
+from fabric_utils.sharding import materialize, recompute_blocks, unwrapped_name
 
 
 def build_model(fabric, build: Callable[[], nn.Module], build_skeleton: Callable[[], nn.Module] | None,
-                pretrained: bool) -> tuple[nn.Module, Callable[[], nn.Module] | None]:
-    """The model to set up, and what ``load_pretrained`` loads into it once sharded: rank 0's pretrained builder, or
-    None where the model has its values (built whole, ZeRO-3's partitions filled here) or a resume's checkpoint will.
-    Every way, the pretrained model (fresh head, adapters) and then training draw the same random numbers."""
+                pretrained: bool, grad_checkpointing: bool = False) -> tuple[nn.Module, Callable[[], nn.Module] | None]:
+    """The model to set up (recomputing its blocks' activations with ``grad_checkpointing``), and what
+    ``load_pretrained`` loads into it once sharded: rank 0's pretrained builder, or None where the model has its values
+    (built whole, ZeRO-3's partitions filled here) or a resume's checkpoint will."""
+    model, source = _build(fabric, build, build_skeleton, pretrained)
+    if grad_checkpointing and not strategy.checkpoints_blocks(fabric):
+        recompute_blocks(model)  # FSDP and FSDP2 recompute the blocks they shard themselves
+    return model, source
+
+
+def _build(fabric, build, build_skeleton, pretrained: bool):
+    """``build_model``'s model and source. Every way, the pretrained model (fresh head, adapters) and then training
+    draw the same random numbers."""
     rng = torch.random.get_rng_state()
 
     def source() -> nn.Module:

@@ -4,6 +4,7 @@ log, no library noise; the loss, metrics and throughput go to the loggers."""
 import contextlib
 import datetime
 import logging
+import math
 import sys
 import time
 import warnings
@@ -14,6 +15,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.fabric.utilities.throughput import ThroughputMonitor
 from tqdm import tqdm
 
+from fabric_utils.errors import UserError
 from fabric_utils.private import dynamo_counters
 
 
@@ -37,6 +39,23 @@ def silence_libraries() -> None:
     logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
     # DeepSpeed (imported by transformers' save_pretrained through accelerate) guesses the accelerator aloud
     logging.getLogger("DeepSpeed").addFilter(lambda record: "Setting accelerator to" not in record.getMessage())
+
+
+def header(fabric, config, spec, max_steps: int, steps_per_epoch: int, out_dir, threads: str, rule: tuple) -> str:
+    """What the run is about to do, in four lines."""
+    splits = ", ".join(f"{len(rows):,} {name}" for name, rows in spec.datasets.items())
+    devices, nodes = fabric.world_size, getattr(fabric.strategy, "num_nodes", 1)
+    return "\n".join([
+        f"data      {splits} rows",
+        f"training  {max_steps:,} optimizer steps ({max_steps / steps_per_epoch:.3g} "
+        f"epoch{'s' * (max_steps != steps_per_epoch)} of {steps_per_epoch:,}), "
+        f"{config.batch_size * devices * config.grad_accum:,} rows each ({config.batch_size} per device x "
+        f"{devices} device{'s' * (devices > 1)} x --grad-accum {config.grad_accum}), peak --lr {config.lr:.3g}",
+        f"launch    {devices} {fabric.device.type} process{'es' * (devices > 1)}"
+        + (f" on {nodes} nodes" if nodes > 1 else "")
+        + f", {type(fabric.strategy).__name__}, precision {fabric.strategy.precision.precision}, {threads} per process",
+        f"run       {out_dir} (environment.json there: versions and hardware), checkpoints/best by validation "
+        f"{rule[0]} ({rule[1]})"])
 
 
 def shows_bars(fabric, quiet: bool, verbose: bool) -> bool:
@@ -128,12 +147,31 @@ class Progress:
         self.losses.append(logged["train/loss"])
         return logged
 
+    def log_step(self, step: int, lr: float, max_lr: float, throughput: "Throughput") -> None:
+        """``log``, ``throughput``'s rates and MFU to the loggers, and ``show``: a log step's syncs, all here."""
+        logged = self.log(step, lr)
+        # the same loss on every rank, so all stop together; non-finite: diverged (16-mixed's overflows left out)
+        if not math.isfinite(logged["train/loss"]):
+            raise UserError(f"the training loss became {logged['train/loss']} by step {step}: lower --lr (now "
+                            f"{max_lr}), keep --grad-clip on, or use --precision bf16-mixed/32-true")
+        throughput.log(step)
+        self.show()
+
     def stuck_at_chance(self, val_loss: float) -> bool:
         """True at the last step if the run has not learned (``at_chance``): at the end, as some runs leave chance
         late."""
         if self.chance_loss is None or self.step < self.total:
             return False
         return at_chance(self.losses, val_loss, self.chance_loss)
+
+    def warn_if_stuck(self, val_loss: float, step: int, max_lr: float) -> None:
+        """At the run's end: one line if its training and validation losses are where ignoring the inputs is."""
+        if self.stuck_at_chance(val_loss):
+            chance = self.chance_loss
+            say(f"the training loss stayed at chance level ({chance['train']:.3g}, or just under: what a model that "
+                f"ignores its inputs scores) over the last quarter of the run, and the validation loss ended there "
+                f"too ({val_loss:.3g} against {chance['validation']:.3g}), up to step {step}: it has not learned; try "
+                f"a lower --lr (now {max_lr:g}) if the loss jumped there at once, else a higher one or more --epochs")
 
     def show(self) -> None:
         """The last logged step: the bar's numbers, or one line ``step 40/120 (epoch 1/3): loss 0.41, ... left``."""

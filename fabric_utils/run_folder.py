@@ -9,6 +9,7 @@ import os
 import platform
 import shutil
 import sys
+import tempfile
 from datetime import datetime
 from pathlib import Path
 
@@ -16,6 +17,8 @@ import torch
 import yaml
 
 from fabric_utils.errors import UserError
+from fabric_utils.loggers import save_tracker_ids
+from fabric_utils.progress import say
 
 RUN_DIR_ENV = "FABRIC_TEMPLATE_RUN_DIR"
 LOCK_FILE = ".lock"
@@ -46,6 +49,24 @@ def prepare_out_dir(out_dir: str | None, resume: str | None) -> tuple[Path, bool
     created = not path.exists()
     check_writable(path)
     return path, created
+
+
+@contextlib.contextmanager
+def proposed_run_folder(out_dir: str | None, resume: str | None, temporary: bool = False):
+    """``prepare_out_dir``'s folder, removed after a failed start that made it; ``temporary`` (--fast-dev-run): a new
+    folder for this process and those it starts, removed at the end by the process that made it."""
+    made = None
+    if temporary and RUN_DIR_ENV not in os.environ:
+        made = os.environ[RUN_DIR_ENV] = tempfile.mkdtemp(prefix="fabric-template-check-")
+    path, created = prepare_out_dir(out_dir, resume=resume)
+    try:
+        yield path
+    finally:
+        if created:
+            remove_if_unused(path)
+        if made:
+            shutil.rmtree(made, ignore_errors=True)
+            say(f"--fast-dev-run: removed its folder {made}")
 
 
 def check_writable(folder: Path) -> None:
@@ -130,11 +151,13 @@ def _cpu_model() -> str:
 
 def save_config(fabric, args, out_dir: Path, environment: dict, resumed_at: int | None = None) -> None:
     """The resolved flags as ``config.yaml`` (``--config`` reruns it) and ``environment`` as ``environment.json``; a
-    resumed segment's named ``-resumed-at-step-N``, so the run's first ones are never overwritten."""
+    resumed segment's named ``-resumed-at-step-N``, so the run's first ones are never overwritten. Then starts the
+    tracked runs (MLflow, W&B) and keeps their ids for a resume (``save_tracker_ids``)."""
     if fabric.is_global_zero:
         segment = "" if resumed_at is None else f"-resumed-at-step-{resumed_at:06d}"
         (out_dir / f"config{segment}.yaml").write_text(yaml.safe_dump(vars(args), sort_keys=False))
         (out_dir / f"environment{segment}.json").write_text(json.dumps(environment, indent=1))
+    save_tracker_ids(fabric, out_dir)
 
 
 def write_predictions(path: Path, columns: dict) -> None:

@@ -9,8 +9,6 @@ import importlib.util
 import itertools
 import os
 import resource
-import socket
-import zlib
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -26,6 +24,7 @@ from fabric_utils.errors import UserError, first_line
 from fabric_utils.private import FakeTensorMode, shape_config
 from fabric_utils.progress import say
 from fabric_utils.sharding import block_classes, full_shape
+from fabric_utils.threads import processes_sharing
 
 
 def default_num_workers(fabric) -> int:
@@ -34,18 +33,6 @@ def default_num_workers(fabric) -> int:
     if fabric.device.type == "cpu":
         return 0
     return min(4, suggested_max_num_workers(processes_sharing(fabric, os.sched_getaffinity(0))))
-
-
-def processes_sharing(fabric, cpus: set[int]) -> int:
-    """How many of the job's processes (this one included) run on this host with CPUs in common with ``cpus``:
-    launchers leave each process all the node's CPUs, SLURM binds each task to its own."""
-    mask = torch.zeros(1 + (os.cpu_count() or 1), dtype=torch.int64)  # [host id, one flag per CPU]
-    mask[0] = zlib.crc32(socket.gethostname().encode())
-    mask[1 + torch.tensor(sorted(cpus))] = 1
-    masks = fabric.all_gather(mask).cpu().reshape(fabric.world_size, -1)
-    same_host = masks[:, 0] == mask[0]
-    overlaps = (masks[:, 1:] * mask[1:]).sum(dim=1) > 0
-    return int((same_host & overlaps).sum())
 
 
 def training_flops_fn(model: torch.nn.Module, loss_fn: Callable[[torch.nn.Module, dict], torch.Tensor],
@@ -104,10 +91,15 @@ def matrix_weights(model: torch.nn.Module):
             if len(full_shape(param)) >= 2 and id(param) not in tables]
 
 
-def compile_model(model: torch.nn.Module, mode: str | None = None, **kwargs) -> torch.nn.Module:
+def compile_model(model: torch.nn.Module, mode: str = "default", cuda_graphs: bool = False,
+                  **kwargs) -> torch.nn.Module:
     """torch.compile for batches of a few shapes: dynamic, so one graph takes every length (a graph per length would
     compile each bucket, past dynamo's cache of 8; reduce-overhead still captures a CUDA graph per shape), with sizes
-    never tied to each other (16 rows of 16 tokens would tie rows to length, and the next batch recompile)."""
+    never tied to each other (16 rows of 16 tokens would tie rows to length, and the next batch recompile). Mode
+    ``default`` is reduce-overhead where ``cuda_graphs`` (one CUDA device or DDP): CUDA graphs launch a step's
+    hundreds of kernels at once."""
+    if mode == "default" and cuda_graphs:
+        mode = "reduce-overhead"
     shape_config.use_duck_shape = False
     return torch.compile(model, mode=mode, dynamic=True, **kwargs)
 

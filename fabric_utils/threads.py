@@ -5,6 +5,8 @@ parallel operation, and the job crawls."""
 
 import math
 import os
+import socket
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -50,10 +52,23 @@ def launcher_sets_threads() -> bool:
     return os.environ.get("LT_CLI_USED") == "1" or "TORCHELASTIC_RUN_ID" in os.environ
 
 
-def set_threads(requested: int | None, sharing: int) -> str:
+def set_threads(fabric, requested: int | None) -> str:
     """Sets torch's intra-op threads (OpenMP and MKL) for this process; returns the choice, said in the header."""
+    sharing = processes_sharing(fabric, os.sched_getaffinity(0))
     threads, why = choose_threads(requested, usable_cpus(), idle_cpus, sharing,
                                   USER_OMP_THREADS, launcher_sets_threads())
     torch.set_num_threads(threads)
     os.environ["OMP_NUM_THREADS"] = str(threads)  # for the processes this one starts (loader workers, compilers)
     return f"{threads} thread{'s' * (threads > 1)} ({why})"
+
+
+def processes_sharing(fabric, cpus: set[int]) -> int:
+    """How many of the job's processes (this one included) run on this host with CPUs in common with ``cpus``:
+    launchers leave each process all the node's CPUs, SLURM binds each task to its own."""
+    mask = torch.zeros(1 + (os.cpu_count() or 1), dtype=torch.int64)  # [host id, one flag per CPU]
+    mask[0] = zlib.crc32(socket.gethostname().encode())
+    mask[1 + torch.tensor(sorted(cpus))] = 1
+    masks = fabric.all_gather(mask).cpu().reshape(fabric.world_size, -1)
+    same_host = masks[:, 0] == mask[0]
+    overlaps = (masks[:, 1:] * mask[1:]).sum(dim=1) > 0
+    return int((same_host & overlaps).sum())

@@ -6,9 +6,9 @@ import sys
 import pytest
 
 from conftest import logged, run
+from fabric_utils.checkpoint import best_rule, improves
 from fabric_utils.errors import UserError
 from task import ClassifierObjective
-from train import best_rule, improves
 
 SINGLE, REGRESSION = ClassifierObjective("single_label", 3), ClassifierObjective("regression", 1)
 

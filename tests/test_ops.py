@@ -94,7 +94,7 @@ def test_a_process_reports_its_own_peak_memory_not_that_of_the_process_that_star
 SHARING = r"""
 import json, os, sys
 from fabric_utils.launcher import build_fabric, end_job
-from fabric_utils.speed import processes_sharing
+from fabric_utils.threads import processes_sharing
 
 fabric = build_fabric(accelerator="cpu", devices="2", strategy="ddp", precision="32-true")
 fabric.launch()

@@ -60,10 +60,11 @@ def test_fabric_run_and_torchrun_set_omp_num_threads_themselves(monkeypatch):
 
 def test_set_threads_sets_torchs_threads_and_says_why(monkeypatch):
     import torch
+    from lightning.fabric import Fabric
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # restored after
     before = torch.get_num_threads()
     try:
-        assert threads.set_threads(1, sharing=1) == "1 thread (--num-threads)"
+        assert threads.set_threads(Fabric(accelerator="cpu", devices=1), 1) == "1 thread (--num-threads)"
         assert torch.get_num_threads() == 1 and os.environ["OMP_NUM_THREADS"] == "1"
     finally:
         torch.set_num_threads(before)
