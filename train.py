@@ -105,7 +105,7 @@ def main(fabric, flags, out_dir: Path) -> dict:
                                 warmup=config.warmup, min_lr_rate=config.min_lr_rate)
     rule = best_rule(spec.objective, config.best_metric)
     state = restore(fabric, config, spec, model, optimizer, scheduler, max_steps, checkpoint=resume_from)
-    # only now: bad data, model or checkpoint leave the folder as it was; each resumed segment keeps its own flags
+    # only now: bad data, model or checkpoint leave the folder as it was (a resume's flags go beside the first's)
     save_config(fabric, config, out_dir, resumed_at=state.step if resume_from else None, environment=env)
     if not config.quiet:
         say(header(fabric, config, spec, max_steps, steps_per_epoch, out_dir, threads, rule))

@@ -3,8 +3,6 @@ may call is below, by module; those load torch and Lightning, so a name is impor
 ``python train.py --help`` or a bad flag answers before. ``strategy``, the one module that looks at the strategy's
 type, answers what the strategy in use can do."""
 
-import importlib
-
 from fabric_utils.args import FP8, Config, build_parser, parse_flags  # the flags, then the run's read-only config
 from fabric_utils.errors import UserError, exit_on_user_error  # bad input: one line saying what to change
 from fabric_utils.task_spec import TaskSpec  # what a task gives the loop
@@ -36,6 +34,8 @@ _MODULE_OF = {name: module for module, names in PUBLIC.items() for name in names
 
 
 def __getattr__(name: str):
-    if name not in _MODULE_OF:
+    if name not in _MODULE_OF:  # submodules too: the import system loads them
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{_MODULE_OF[name]}"), name)
+    from fabric_utils import (batch_size, checkpoint, export, launcher, loaders, loggers, optim, preemption,  # noqa
+                              pretrained, progress, run_folder, sharding, speed, threads)  # the loop uses them all
+    return getattr(globals()[_MODULE_OF[name]], name)

@@ -36,7 +36,8 @@ def test_compile_is_applied_around_the_ddp_wrapper(monkeypatch):
     fabric.launch()
     try:
         spec = task.setup(args, verbose=False)
-        module = train.build(fabric, args, spec, pretrained=True)[0]  # as --compile builds
+        loss_fn = lambda model, batch: spec.objective.loss(spec.objective.forward(model, batch), batch)  # noqa: E731
+        module = train.build(fabric, args, spec, loss_fn, pretrained=True)[0]  # as --compile builds
     finally:
         torch.distributed.destroy_process_group()
     compiled = module._forward_module
