@@ -38,13 +38,13 @@ import torch
 from torchmetrics import MeanMetric, SumMetric
 
 from fabric_utils import (
-    ROWS_PER_STEP, Preemption, Progress, Throughput, agreed_resume_checkpoint, batch_kinds, best_checkpoint, best_rule,
-    build_fabric, build_model, build_optimizer, cast_shards, compile_in_engine, compile_model, convert_to_float8,
-    count_parameters, counted, cut_splits, default_num_workers, environment_report, explain_lost_peers, export_model,
-    fill_rows, finalize_loggers, first_rows, fitting_batch_size, full_shapes, header, improves, keep_rows_per_step,
-    launch, load_checkpoint, load_pretrained, load_weights, locked_run_folder, make_dataloaders, make_loggers,
+    ROWS_PER_STEP, Preemption, Progress, Throughput, agreed_resume_checkpoint, batch_kinds, best_rule, build_fabric,
+    build_model, build_optimizer, cast_shards, compile_in_engine, compile_model, convert_to_float8, count_parameters,
+    counted, cut_splits, default_num_workers, environment_report, explain_lost_peers, export_model, fill_rows,
+    finalize_loggers, first_rows, fitting_batch_size, full_shapes, header, improves, keep_rows_per_step, launch,
+    load_best, load_checkpoint, load_pretrained, locked_run_folder, make_dataloaders, make_loggers,
     peak_memory_per_rank, plot_metrics, prepare_for_setup, proposed_run_folder, remove_checkpoint, save_checkpoint,
-    save_config, say, set_threads, shapes_by_name, shows_bars, silence_libraries, strategy, training_flops_fn, warm_up,
+    save_config, say, set_threads, shows_bars, silence_libraries, strategy, training_flops_fn, warm_up,
     warn_if_updates_vanish, write_predictions)
 
 
@@ -146,7 +146,7 @@ def build(fabric, args, spec: TaskSpec, loss_fn, pretrained: bool):
     def new_optimizer(module):
         return build_optimizer(module, name=args.optimizer, lr=0.0, weight_decay=args.weight_decay,
                                device=fabric.device, offload=strategy.offloads_optimizer(fabric),
-                               loss_scaling=strategy.scales_loss(fabric), shapes=shapes_by_name(module, shapes))
+                               loss_scaling=strategy.scales_loss(fabric), shapes=shapes)
 
     if strategy.builds_optimizer_after_setup(fabric):  # on what set-up made: FSDP's shards, transformer-engine's layers
         model = cast_shards(fabric, fabric.setup_module(model))                                # Fabric step 3
@@ -349,12 +349,12 @@ def evaluate(fabric, model, loader, objective, predict: bool = False, shown_as: 
 def finish(fabric, config, state: TrainState, loaders, out_dir, spec: TaskSpec, report) -> dict:
     """Tests the best model, exports it and writes results.json (with ``report``: what else the run knows); then
     removes checkpoints/best, whose weights model/ holds, unless --keep-best-checkpoint."""
-    model, best, results_file = state.model, best_checkpoint(out_dir), out_dir / "results.json"
+    model, results_file = state.model, out_dir / "results.json"
+    best = load_best(fabric, out_dir, model)
     if best is None:  # a resume of this finished run found no better model
         finalize_loggers(fabric.loggers)
         say(f"the best model is still {out_dir}/model, tested in results.json when the run first finished")
         return json.loads(results_file.read_text())
-    load_weights(fabric, best / "state", model)
     objective = spec.objective
     test = evaluate(fabric, model, loaders["test"], objective=objective, predict=True,
                     shown_as=None if config.quiet else "test")

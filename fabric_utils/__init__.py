@@ -17,15 +17,15 @@ PUBLIC = {
     "preemption": ("Preemption",),  # SIGTERM/SIGUSR1/Ctrl-C: a checkpoint, then exit 75 for a requeue
     "pretrained": ("build_model", "load_pretrained"),  # the task's model, sharded at build where the strategy shards
     "sharding": ("prepare_for_setup", "cast_shards", "compile_in_engine",  # what strategies need around fabric.setup
-                 "full_shapes", "shapes_by_name"),  # parameter shapes from before a strategy flattened them
+                 "full_shapes"),  # parameter shapes from before a strategy flattened them
     "optim": ("build_optimizer", "count_parameters"),  # AdamW, fused, no decay on biases and norms
     "batch_size": ("fitting_batch_size",),  # --batch-size, or with auto the largest that fits
     "loaders": ("make_dataloaders", "cut_splits", "fill_rows", "first_rows"),  # length-grouped batches, sharded
     "speed": ("default_num_workers", "training_flops_fn", "convert_to_float8", "compile_model", "batch_kinds",
               "warm_up", "peak_memory_per_rank"),  # workers, MFU's FLOPs, fp8, torch.compile and its warm-up, memory
     "checkpoint": ("agreed_resume_checkpoint", "keep_rows_per_step", "ROWS_PER_STEP",  # what a resume continues
-                   "load_checkpoint", "save_checkpoint", "load_weights", "remove_checkpoint",  # atomic, verified
-                   "best_rule", "improves", "best_checkpoint"),  # which validation result makes checkpoints/best
+                   "load_checkpoint", "save_checkpoint", "remove_checkpoint",  # atomic, verified before loading
+                   "best_rule", "improves", "load_best"),  # which validation result makes checkpoints/best, loaded
     "export": ("export_model",),  # the best model's full weights, written by the task
     "progress": ("say", "silence_libraries", "shows_bars", "header", "counted",  # what a run prints, rank 0 only
                  "Progress", "Throughput"),  # loss, metrics, rows/s and MFU as it trains

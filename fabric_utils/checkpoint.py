@@ -338,12 +338,15 @@ def keep_rows_per_step(fabric, batch_size: int, grad_accum: int, checkpoint: Pat
     return rows // rows_per_batch
 
 
-def best_checkpoint(out_dir: Path) -> Path | None:
-    """The run's checkpoints/best to test, or None where a resume of a finished run found no better model (its
-    results.json holds the test); a one-line error where both are gone."""
+def load_best(fabric, out_dir: Path, model) -> Path | None:
+    """Loads the run's checkpoints/best into the set-up ``model`` and returns it; None where a resume of a finished
+    run found no better model (results.json holds its test); a one-line error where both are gone."""
     best, results_file = out_dir / "checkpoints" / "best", out_dir / "results.json"
-    if best.exists() or results_file.exists():
-        return best if best.exists() else None
+    if best.exists():
+        load_weights(fabric, best / "state", model)
+        return best
+    if results_file.exists():
+        return None
     raise UserError(f"{best} is gone (a finished run removes it: model/ holds its weights) and so is {results_file}: "
                     f"nothing is left to test; start a new --out-dir (or keep it next time with "
                     f"--keep-best-checkpoint)")

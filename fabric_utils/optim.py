@@ -2,15 +2,18 @@
 
 import torch
 
+from fabric_utils.sharding import shapes_by_name
+
 
 def build_optimizer(model, name: str, lr: float, weight_decay: float, device: torch.device, offload: bool = False,
                     loss_scaling: bool = False, shapes: dict[str, torch.Size] | None = None) -> torch.optim.Optimizer:
-    """AdamW, no decay on biases and norms (``shapes``: by name, from before a strategy flattened them), with fused
+    """AdamW, no decay on biases and norms (``shapes``: ``full_shapes``, before a strategy flattened them), with fused
     kernels (on a CPU too: far faster) but foreach off CUDA and CPU or under ``loss_scaling``, whose unscaling before
     clipping fused ones refuse. ``adam`` is plain Adam; ``offload`` (ZeRO-Offload) needs DeepSpeed's own CPU Adam."""
     adamw = name == "adamw"
     if adamw:
         decay, no_decay = [], []
+        shapes = shapes and shapes_by_name(model, shapes)
         for param_name, param in model.named_parameters():
             if param.requires_grad:
                 ndim = len(shapes[param_name]) if shapes else param.ndim
