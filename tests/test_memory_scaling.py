@@ -23,12 +23,15 @@ from data.demo import prepare_demo  # noqa: E402
 # size of each such block it frees: FSDP2's all-gather buffers, freed every step, then stay in its heap and count in
 # the rank's peak. A fixed threshold keeps the peaks to what each rank holds
 ALLOCATOR = {"MALLOC_MMAP_THRESHOLD_": str(2**20)}
+# JOB with 2 rows of 8 tokens a batch: the peaks are the weights' (bf16 autocast is emulated, slowly, on most CPUs)
+SHORT = {"--batch-size": "2", "--max-length": "8", "--val-size": "4", "--test-size": "4"}
+SHORT_JOB = [SHORT.get(flag, value) for flag, value in zip(["", *JOB], JOB)]  # each value after its flag
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, tuple[Path, dict]]:
     """Each strategy's run folder and results: a 12-layer, 768-wide BERT (110M parameters, 440 MB in fp32) of
-    random weights, saved in bf16; a few steps of JOB with LoRA."""
+    random weights, saved in bf16; a few steps of SHORT_JOB with LoRA."""
     folder = tmp_path_factory.mktemp("memory")
     model = save_models(folder, hidden=768, layers=12, saved=["bf16"])["bf16"]
     data, _ = prepare_demo(Path.home() / ".cache" / "fabric-template" / "demo")
@@ -36,7 +39,7 @@ def runs(tmp_path_factory) -> dict[str, tuple[Path, dict]]:
         for name, value in ALLOCATOR.items():
             patch.setenv(name, value)
         # the best checkpoint kept: the fp32 test reads it
-        return {strategy: (folder / strategy, train([*JOB, "--dataset", data, "--model", model, "--strategy",
+        return {strategy: (folder / strategy, train([*SHORT_JOB, "--dataset", data, "--model", model, "--strategy",
                                                      strategy, "--lora-r", "8", "--keep-best-checkpoint"],
                                                     folder / strategy, deepspeed_cpu=strategy.startswith("deepspeed")))
                 for strategy in ("ddp", "fsdp2", "deepspeed_stage_3")}
