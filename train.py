@@ -365,7 +365,8 @@ def finish(fabric, config, state: TrainState, loaders, out_dir, spec: TaskSpec, 
     results = {**{f"val_{k}": v for k, v in state.best_val.items()}, **{f"test_{k}": v for k, v in test.items()},
                "train_examples": len(spec.datasets["train"]), "steps": state.step,
                "epochs": state.epoch + (state.batch_in_epoch > 0), "world_size": fabric.world_size,
-               "precision": fabric.strategy.precision.precision, "strategy": type(fabric.strategy).__name__,
+               "precision": strategy.precision_name(fabric, config.precision),
+               "strategy": type(fabric.strategy).__name__,
                "peak_memory_mb_per_rank": peaks, **report, "config": vars(config)}
     finalize_loggers(fabric.loggers)  # flushes metrics.csv, which the plots read; ends the tracked runs
     if fabric.is_global_zero:

@@ -17,6 +17,7 @@ from tqdm import tqdm
 
 from fabric_utils.errors import UserError
 from fabric_utils.private import dynamo_counters
+from fabric_utils.strategy import precision_name
 
 
 @rank_zero_only
@@ -53,7 +54,8 @@ def header(fabric, config, spec, max_steps: int, steps_per_epoch: int, out_dir, 
         f"{devices} device{'s' * (devices > 1)} x --grad-accum {config.grad_accum}), peak --lr {config.lr:.3g}",
         f"launch    {devices} {fabric.device.type} process{'es' * (devices > 1)}"
         + (f" on {nodes} nodes" if nodes > 1 else "")
-        + f", {type(fabric.strategy).__name__}, precision {fabric.strategy.precision.precision}, {threads} per process",
+        + f", {type(fabric.strategy).__name__}, precision {precision_name(fabric, config.precision)}, "
+          f"{threads} per process",
         f"run       {out_dir} (environment.json there: versions and hardware), checkpoints/best by validation "
         f"{rule[0]} ({rule[1]})"])
 

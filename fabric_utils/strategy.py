@@ -4,6 +4,8 @@ at a strategy's type. ``fsdp2`` is Fabric's ModelParallelStrategy sharding with 
 from lightning.fabric.strategies import (DDPStrategy, DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy,
                                          SingleDeviceStrategy)
 
+from fabric_utils.args import FP8
+
 
 def uses_deepspeed(fabric) -> bool:
     return isinstance(fabric.strategy, DeepSpeedStrategy)
@@ -66,3 +68,8 @@ def reshards_checkpoints(fabric) -> bool:
 def fits_cuda_graphs(fabric) -> bool:
     """One CUDA device or DDP: sharded strategies gather parameters between kernels, which a CUDA graph cannot hold."""
     return fabric.device.type == "cuda" and isinstance(fabric.strategy, (SingleDeviceStrategy, DDPStrategy))
+
+
+def precision_name(fabric, flag: str) -> str:
+    """The precision the run computes in: Fabric's, or --precision fp8-mixed, which runs inside Fabric's bf16-mixed."""
+    return FP8 if flag == FP8 else fabric.strategy.precision.precision

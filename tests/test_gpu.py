@@ -80,4 +80,4 @@ def test_fp8_mixed_trains_the_demo_as_bf16_mixed_does(tmp_path, extra):
         assert abs(window["fp8-mixed"] - window["bf16-mixed"]) <= 0.05, (start, window)
     assert results["fp8-mixed"]["test_acc"] >= 0.9
     assert abs(results["fp8-mixed"]["test_acc"] - results["bf16-mixed"]["test_acc"]) <= 0.02
-    assert results["fp8-mixed"]["config"]["precision"] == "fp8-mixed"
+    assert results["fp8-mixed"]["config"]["precision"] == results["fp8-mixed"]["precision"] == "fp8-mixed"

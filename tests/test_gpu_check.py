@@ -54,7 +54,8 @@ def test_the_dry_run_writes_every_row_measured_or_skipped_with_a_reason(tmp_path
     assert measured["DistilBERT-shaped, bf16-mixed, --batch-size auto"]["results"]["config"]["batch_size"] > 8
     # fp8-mixed through the CPU shim, eager: torchao's layers in the blocks, the rest bf16-mixed
     fp8 = measured[gpu_check.FP8_ROW]
-    assert fp8["results"]["config"]["precision"] == "fp8-mixed" and "--compile" not in fp8["flags"]
+    assert fp8["results"]["config"]["precision"] == fp8["results"]["precision"] == "fp8-mixed"
+    assert "--compile" not in fp8["flags"]
     assert fp8["losses_against"] == "BERT-large-shaped, bf16-mixed --compile" and fp8["first_losses"]
     assert "12 of 14 Linear layers compute in float8" in next((tmp_path / "runs").glob("*fp8*.log")).read_text()
     table = (tmp_path / "gpu_check.md").read_text()
