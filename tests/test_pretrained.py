@@ -39,8 +39,8 @@ def probe(root: Path, name: str, strategy: str, flags: list, lr0: bool = False, 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
-    """One epoch (4 steps) of full fine-tuning under ddp and each sharded strategy; 2 LoRA steps at learning rate 0 under each
-    sharded strategy; the fsdp2 LoRA run resumed from its last checkpoint."""
+    """One epoch (4 steps) of full fine-tuning under ddp and each sharded strategy; 2 LoRA steps at learning rate 0
+    under each sharded strategy; the fsdp2 LoRA run resumed from its last checkpoint."""
     root = tmp_path_factory.mktemp("pretrained")
     found = {(strategy, "full"): probe(root, f"{strategy}-full", strategy, FULL)
              for strategy in ("ddp", *SHARDED)}
