@@ -16,8 +16,10 @@ from conftest import REPO, SHIMS, SMALL_DEMO, run
 
 SHARDED = ("fsdp", "fsdp2", "deepspeed_stage_3")
 TWO_CPUS = ["--accelerator", "cpu", "--devices", "2", "--precision", "32-true"]
+# one epoch of 4 steps of 2 x 16 rows; few rows to evaluate: each run's cost is mostly its processes' start-up
+FULL = [*SMALL_DEMO, "--train-size", "128", "--val-size", "16", "--test-size", "16"]
 # LoRA at learning rate 0 for 2 steps, with a checkpoint to resume from
-LORA = [*SMALL_DEMO, "--lora-r", "4", "--max-steps", "2", "--save-every", "2"]
+LORA = [*FULL, "--lora-r", "4", "--max-steps", "2", "--save-every", "2"]
 
 
 def probe(root: Path, name: str, strategy: str, flags: list, lr0: bool = False, run_dir: str | None = None) -> dict:
@@ -37,10 +39,10 @@ def probe(root: Path, name: str, strategy: str, flags: list, lr0: bool = False, 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
-    """One epoch of full fine-tuning under ddp and each sharded strategy; 2 LoRA steps at learning rate 0 under each
-    sharded strategy; the fsdp2 LoRA run resumed from its last checkpoint."""
+    """One epoch (4 steps) of full fine-tuning under ddp and each sharded strategy; 2 LoRA steps at learning rate 0
+    under each sharded strategy; the fsdp2 LoRA run resumed from its last checkpoint."""
     root = tmp_path_factory.mktemp("pretrained")
-    found = {(strategy, "full"): probe(root, f"{strategy}-full", strategy, SMALL_DEMO)
+    found = {(strategy, "full"): probe(root, f"{strategy}-full", strategy, FULL)
              for strategy in ("ddp", *SHARDED)}
     found.update({(strategy, "lora"): probe(root, f"{strategy}-lora", strategy, LORA, lr0=True)
                   for strategy in SHARDED})
