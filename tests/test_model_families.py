@@ -107,8 +107,11 @@ def test_max_length_beyond_the_models_positions_is_one_line_and_leaves_nothing(f
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.parametrize("family, names", [("gpt2", ["attn_pdrop", "resid_pdrop", "embd_pdrop"]),
-                                           ("t5", ["dropout_rate"])])
+DROPOUT_NAMES = {"gpt2": ["attn_pdrop", "resid_pdrop", "embd_pdrop"], "t5": ["dropout_rate"],
+                 "distilbert": ["dropout", "seq_classif_dropout"]}
+
+
+@pytest.mark.parametrize("family, names", DROPOUT_NAMES.items())
 def test_the_dropout_flags_reach_the_names_each_family_gives_them(folders, family, names):
     import task
 
