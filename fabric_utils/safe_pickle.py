@@ -40,9 +40,9 @@ def _deepspeed_classes() -> list:
 class _Restricted(pickle.Unpickler):
     """The standard library's way to unpickle untrusted bytes: ``find_class`` resolves only allowed names."""
 
-    def __init__(self, file, classes: dict):
+    def __init__(self, file, classes: list):
         super().__init__(file)
-        self.classes = classes
+        self.classes = {f"{c.__module__}.{c.__qualname__}": c for c in classes}
 
     def find_class(self, module: str, name: str):
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
@@ -50,10 +50,6 @@ class _Restricted(pickle.Unpickler):
         if (found := self.classes.get(f"{module}.{name}")) is not None:
             return found
         raise pickle.UnpicklingError(f"GLOBAL {module}.{name} is not allowed")
-
-
-def _names(classes: list) -> dict:
-    return {f"{c.__module__}.{c.__qualname__}": c for c in classes}
 
 
 def _refuse(path: Path, err: Exception) -> UserError:
@@ -80,7 +76,7 @@ def check_dcp_metadata(path: Path):
 
     try:
         with open(path, "rb") as f:
-            metadata = _Restricted(f, _names(_dcp_classes())).load()
+            metadata = _Restricted(f, _dcp_classes()).load()
         storage = metadata.storage_data
         values = [index for index in storage
                   if isinstance(metadata.state_dict_metadata.get(index.fqn), BytesStorageMetadata)]
