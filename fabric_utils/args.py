@@ -12,7 +12,7 @@ import yaml
 
 from fabric_utils.errors import UserError
 
-# Fabric's names written out, as importing Lightning takes seconds (tests/infra/test_launcher.py checks them)
+# Fabric's names written out, as Lightning's import takes seconds; strategies that rerun this script (not *_spawn)
 FSDP2 = "fsdp2"  # PyTorch's fully_shard, through Fabric's ModelParallelStrategy; not in its registry
 ACCELERATORS = ("auto", "cpu", "cuda", "mps", "tpu")
 STRATEGIES = ("auto", "ddp", "ddp_find_unused_parameters_true", "dp", "deepspeed", "deepspeed_stage_1",
@@ -226,11 +226,10 @@ class Config(argparse.Namespace):
         for name, value in {**vars(flags), **decided}.items():
             object.__setattr__(self, name, value)
 
-    def __setattr__(self, name: str, value) -> None:
+    def __setattr__(self, name: str, value=None) -> None:
         raise AttributeError(f"the run's config is read-only: decide {name} before making it")
 
-    def __delattr__(self, name: str) -> None:
-        raise AttributeError(f"the run's config is read-only: decide {name} before making it")
+    __delattr__ = __setattr__
 
 
 def load_config(path: str, parser: argparse.ArgumentParser) -> dict:
