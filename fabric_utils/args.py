@@ -125,7 +125,6 @@ def _fabric_run_options() -> dict[str, list[str]]:
 
 
 def build_parser(description: str) -> argparse.ArgumentParser:
-    """The training loop's flags, whatever the task, to which the task adds its own (data, model)."""
     p = Parser(description=description, formatter_class=HelpFormatter)
     p.add_argument("--config", help="YAML file of flag values (as written to config.yaml); flags given here win")
 

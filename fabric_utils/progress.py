@@ -40,7 +40,6 @@ def silence_libraries() -> None:
 
 
 def header(fabric, config, spec, max_steps: int, steps_per_epoch: int, out_dir, threads: str, rule: tuple) -> str:
-    """What the run is about to do, in four lines."""
     splits = ", ".join(f"{len(rows):,} {name}" for name, rows in spec.datasets.items())
     devices, nodes = fabric.world_size, getattr(fabric.strategy, "num_nodes", 1)
     return "\n".join([
@@ -156,7 +155,6 @@ class Progress:
         return at_chance(self.losses, val_loss, self.chance_loss)
 
     def warn_if_stuck(self, val_loss: float, step: int, max_lr: float) -> None:
-        """One line if the run ends at chance."""
         if self.stuck_at_chance(val_loss):
             chance = self.chance_loss
             say(f"the training loss stayed at chance level ({chance['train']:.3g}, or just under: what a model that "

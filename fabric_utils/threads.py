@@ -26,7 +26,6 @@ def usable_cpus(cgroup: Path = Path("/sys/fs/cgroup")) -> int:
 
 
 def idle_cpus(seconds: float = 0.2) -> float:
-    """How many of the CPUs this process may run on were idle over ``seconds``."""
     busy = psutil.cpu_percent(interval=seconds, percpu=True)
     return sum(1 - busy[cpu] / 100 for cpu in os.sched_getaffinity(0) if cpu < len(busy))
 
