@@ -126,7 +126,7 @@ def build_fabric(accelerator=None, devices=None, num_nodes=None, strategy=None, 
     if precision == FP8:
         check_fp8_supported(fabric.device, settings["strategy"])
     deepspeed = uses_deepspeed(fabric)
-    # Fabric refuses it only once each process started, a traceback each (the tests' CPU shim swaps the class)
+    # Fabric refuses DeepSpeed off CUDA only once each process started (the tests' CPU shim swaps the class)
     if deepspeed and not isinstance(fabric.accelerator, fabric_deepspeed.CUDAAccelerator):
         raise UserError(f"--strategy {settings['strategy']} needs CUDA GPUs (DeepSpeed); on a CPU use --strategy ddp, "
                         f"{FSDP2} or auto")
