@@ -95,7 +95,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                    help="attention-probability dropout, or 'model' for the model's own; 0 skips drawing a random "
                         "mask over every attention matrix, which is slow")
     g.add_argument("--hidden-dropout", type=dropout, default="model",
-                   help="hidden-state dropout, or 'model' for the model's own")
+                   help="hidden-state dropout, the head's too, or 'model' for the model's own")
 
     g = parser.add_argument_group("LoRA: train low-rank adapters and the classification head, the rest frozen")
     g.add_argument("--lora-r", type=non_negative_int, default=0,
@@ -340,10 +340,14 @@ def build_model(source: str, label_names: list[str], problem_type: str, attentio
         raise UserError(f"model {source} classifies {len(trained_labels)} labels {trained_labels} but the data has "
                         f"{len(label_names)} {label_names}; use a base model or matching data")
     overrides = {}
-    if attention_dropout is not None:  # BERT-style and DistilBERT-style configs name these differently
-        overrides.update(attention_probs_dropout_prob=attention_dropout, attention_dropout=attention_dropout)
+    # each family names them its own way (BERT, DistilBERT and BART, GPT-2, T5, ModernBERT): set the ones it has
+    if attention_dropout is not None:
+        overrides.update(dict.fromkeys(("attention_probs_dropout_prob", "attention_dropout", "attn_pdrop"),
+                                       attention_dropout))
     if hidden_dropout is not None:
-        overrides.update(hidden_dropout_prob=hidden_dropout, dropout=hidden_dropout)
+        overrides.update(dict.fromkeys(("hidden_dropout_prob", "dropout", "activation_dropout", "resid_pdrop",
+                                        "embd_pdrop", "dropout_rate", "mlp_dropout", "embedding_dropout",
+                                        "classifier_dropout", "seq_classif_dropout"), hidden_dropout))
     pad = {} if pad_token_id is None else {"pad_token_id": pad_token_id}
     overrides["use_cache"] = False  # a classifier never generates; a block recomputed under FSDP would fill it twice
     config = AutoConfig.from_pretrained(

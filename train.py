@@ -5,8 +5,7 @@
     fabric run --devices 4 --strategy deepspeed_stage_2 train.py [task flags]
 
 Fabric launches the processes, places model, optimizer and batches, and runs backward; the rest is the plain PyTorch
-loop below, meant to be edited, in the order it runs: setup() -> main() -> fit() -> validate() -> finish().
-The task is task.py, whose setup() gives a `TaskSpec` (fabric_utils/task_spec.py): another task replaces task.py.
+loop below, to edit: setup() -> main() -> fit() -> validate() -> finish(). The task is task.py (a `TaskSpec`).
 """
 
 import task
@@ -66,14 +65,12 @@ def setup(argv=None) -> dict:
 
 def main(fabric, flags, out_dir: Path) -> dict:
     fabric.seed_everything(flags.seed)
-    # before any heavy work: threads beyond the cores, this job's or another's, fight and the run crawls
-    threads = set_threads(fabric, flags.num_threads)
+    threads = set_threads(fabric, flags.num_threads)  # first: threads beyond the free cores fight, and the run crawls
     preemption = Preemption()  # from here on, SIGTERM/SIGUSR1 lead to a checkpoint, not a lost run
     if fabric.device.type == "cuda":  # TF32 matrix products and cuDNN autotuning: free speed on Ampere+ GPUs
         torch.set_float32_matmul_precision("high")
         torch.backends.cudnn.benchmark = True
-        # cuDNN's attention builds a plan for every new batch shape, and length-grouped batches are nearly all new
-        torch.backends.cuda.enable_cudnn_sdp(False)
+        torch.backends.cuda.enable_cudnn_sdp(False)  # cuDNN attention plans each new shape; grouped batches are new
     env = environment_report(fabric)
     if flags.verbose:
         say(json.dumps(env, indent=1))
@@ -88,16 +85,14 @@ def main(fabric, flags, out_dir: Path) -> dict:
     model, optimizer, torch_optimizer, flops_of, params = build(fabric, flags, spec, loss_fn,
                                                                 pretrained=not resume_from)
     batch_size = fitting_batch_size(fabric, flags.batch_size, spec, model, optimizer, loss_fn)
-    # a requeued job may come back on fewer devices: it continues with the same optimizer steps
-    grad_accum = keep_rows_per_step(fabric, batch_size, flags.grad_accum, resume_from)
+    grad_accum = keep_rows_per_step(fabric, batch_size, flags.grad_accum, resume_from)  # same steps on new devices
     if flags.fast_dev_run:  # N batches of each split on every process
         spec = cut_splits(spec, flags.fast_dev_run * fabric.world_size, train_rows=batch_size * grad_accum,
                           eval_rows=flags.eval_batch_size or 2 * batch_size)
     loaders = make_loaders(fabric, flags, spec, batch_size=batch_size, grad_accum=grad_accum)
     steps_per_epoch = math.ceil(len(loaders["train"]) / grad_accum)
     max_steps = flags.max_steps or flags.epochs * steps_per_epoch
-    # every value the run uses, read-only from here on: what the task detected, the batch size and --grad-accum
-    # decided above, and the task's peak --lr for a run this long (longer runs want a lower one) where none was given
+    # every value the run uses, read-only from here on, with what the task and the lines above decided
     config = Config(flags, **spec.decided_flags or {}, batch_size=batch_size, grad_accum=grad_accum,
                     lr=spec.default_lr(max_steps) if flags.lr is None else flags.lr)
     warn_if_updates_vanish(fabric.strategy.precision, lr=config.lr)
@@ -163,8 +158,7 @@ def build(fabric, args, spec: TaskSpec, loss_fn, pretrained: bool):
 
 def build_scheduler(optimizer, name: str, lr: float, max_steps: int, warmup: float, min_lr_rate: float = 0.0):
     """Linear warm-up from 0 to the peak ``lr`` (``warmup``: a fraction of all steps if below 1, else a step count),
-    then linear, cosine or no decay to ``min_lr_rate`` x the peak, as transformers' schedules (one-cycle: PyTorch's).
-    ``lr`` replaces the optimizer's rate: a default peak depends on the run's length, known only after the optimizer."""
+    then linear, cosine or no decay to ``min_lr_rate`` x the peak, as transformers' schedules (one-cycle: PyTorch's)."""
     for group in optimizer.param_groups:
         group["lr"] = lr
     warmup_steps = math.ceil(warmup * max_steps) if warmup < 1 else int(warmup)
@@ -211,7 +205,7 @@ def restore(fabric, config, spec: TaskSpec, model, optimizer, scheduler, max_ste
                        rows_per_batch=rows_per_batch)
     if checkpoint:
         load_checkpoint(fabric, checkpoint, vars(state), expected_fingerprint=fingerprint)  # fills it in place
-        # the same row of the epoch in this run's batches (other ones, if the number of devices changed)
+        # the same row of the epoch in this run's batches, if the number of devices changed
         state.batch_in_epoch = state.batch_in_epoch * state.rows_per_batch // rows_per_batch
         state.rows_per_batch = rows_per_batch
         say(f"resumed from {checkpoint} at step {state.step}")
@@ -225,8 +219,7 @@ def make_loaders(fabric, flags, spec: TaskSpec, batch_size: int, grad_accum: int
         rank=fabric.global_rank, seed=flags.seed, group_by_length=flags.group_by_length,
         num_workers=default_num_workers(fabric) if flags.num_workers is None else flags.num_workers,
         pin_memory=fabric.device.type == "cuda", grad_accum=grad_accum)
-    # the samplers already shard rows across ranks; batches reach the loop on the host, where it counts their rows
-    # and tokens without reading the device, and fabric.to_device moves them (non-blocking from pinned memory)
+    # the samplers shard the rows; batches stay on the host, where the loop counts them without reading the device
     return dict(zip(loaders, fabric.setup_dataloaders(*loaders.values(), use_distributed_sampler=False,
                                                       move_to_device=False)))
 
@@ -255,8 +248,7 @@ def fit(fabric, config, state: TrainState, loaders, preemption, ckpt_dir, max_st
         for batch in train_loader:
             rows = len(batch["labels"])
             monitor.count(rows, spec.lengths.in_batch(batch) if spec.lengths else None)
-            # a short last batch takes the others' shape; its filling rows are left out of the loss
-            batch = fabric.to_device(fill_rows(batch, config.batch_size))
+            batch = fabric.to_device(fill_rows(batch, config.batch_size))  # one shape; filling rows get no loss
             # the micro-batches one optimizer step averages: --grad-accum, fewer at the end of the epoch
             group_start = state.batch_in_epoch - state.batch_in_epoch % config.grad_accum
             group_size = min(config.grad_accum, epoch_batches - group_start)
@@ -327,8 +319,7 @@ def evaluate(fabric, model, loader, objective, predict: bool = False, shown_as: 
         batch = fabric.to_device(batch)
         # every rank runs every forward, repeated rows too: under fsdp, fsdp2 and ZeRO-3 a skipped one hangs the rest
         logits = objective.forward(model, batch)
-        if predict:  # of every row, repeated ones too: each rank then holds as many rows, as a gather needs
-            # copies: a CUDA graph (reduce-overhead) writes its next outputs where these are
+        if predict:  # repeated rows too, as a gather needs; copies, as a CUDA graph reuses its outputs' memory
             predicted.append({name: value.clone() for name, value in objective.predict(logits, batch).items()})
         real = min(len(logits), remaining)
         remaining -= real
@@ -359,8 +350,7 @@ def finish(fabric, config, state: TrainState, loaders, out_dir, spec: TaskSpec, 
     test = evaluate(fabric, model, loaders["test"], objective=objective, predict=True,
                     shown_as=None if config.quiet else "test")
     predictions = test.pop("predictions")
-    # what training and testing held on each rank, before the export gathers the whole model on rank 0's host
-    peaks = peak_memory_per_rank(fabric)
+    peaks = peak_memory_per_rank(fabric)  # training's and testing's, before the export gathers the model on rank 0
     export_model(fabric, best / "state", out_dir / "model", model, spec.fingerprint, write=spec.export)
     results = {**{f"val_{k}": v for k, v in state.best_val.items()}, **{f"test_{k}": v for k, v in test.items()},
                "train_examples": len(spec.datasets["train"]), "steps": state.step,

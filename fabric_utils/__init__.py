@@ -1,7 +1,6 @@
-"""The task-free helpers train.py calls, vendored (a project takes their fixes with ``copier update``). What the loop
-may call is below, by module; those load torch and Lightning, so a name is imported when first used (PEP 562) and
-``python train.py --help`` or a bad flag answers before. ``strategy``, the one module that looks at the strategy's
-type, answers what the strategy in use can do."""
+"""The task-free helpers train.py calls, vendored (``copier update`` brings their fixes), listed by module below; each
+loads when first used (PEP 562), so ``--help`` and a bad flag answer before torch does. ``strategy`` alone looks at
+the type of the strategy in use, to answer what it can do."""
 
 from fabric_utils.args import FP8, Config, build_parser, parse_flags  # the flags, then the run's read-only config
 from fabric_utils.errors import UserError, exit_on_user_error  # bad input: one line saying what to change

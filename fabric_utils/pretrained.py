@@ -109,8 +109,9 @@ def load_zero3(model: nn.Module, source: nn.Module | None) -> None:
 
 
 def source_values(source: nn.Module | None) -> dict[str, torch.Tensor] | None:
-    """Every parameter and buffer by name, non-persistent ones too; None off rank 0."""
-    return None if source is None else {**dict(source.named_parameters()), **dict(source.named_buffers())}
+    """Every parameter and buffer by each of its names (tied ones too), non-persistent ones too; None off rank 0."""
+    return None if source is None else {**dict(source.named_parameters(remove_duplicate=False)),
+                                        **dict(source.named_buffers(remove_duplicate=False))}
 
 
 @torch.no_grad()

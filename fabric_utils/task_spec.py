@@ -1,25 +1,22 @@
-"""The contract between the loop (``train.py``) and a task (``task.py``): what the loop needs to know about a task,
-and nothing about how the task does it. A task module provides:
+"""The contract between the loop (``train.py``) and a task (``task.py``). A task module provides:
 
 - ``add_args(parser)``: its data and model flags; it may ``parser.set_defaults(...)`` loop flags to its own values.
 - ``TEST_FLAGS``: its flags for a small offline run that learns in about a minute on two CPU cores (``tests/infra``).
 - ``setup(args, verbose) -> TaskSpec``: on every rank, local rank 0 of each node first (it may cache for the others);
-  ``verbose``: progress bars wanted. It leaves ``args`` as parsed and returns what it decides in
-  ``TaskSpec.decided_flags``; what it did that a user should know, it says itself (``fabric_utils.progress.say``).
+  ``verbose``: progress bars wanted. What it settles itself goes in ``TaskSpec.decided_flags``, not into ``args``.
 - ``PRESETS`` (optional): ``{task flag: {loop flag: default}}``, defaults a task flag brings when set.
 - ``predict(folder, file, flags, batch_size)`` (optional, for ``predict.py``): for each row of ``file``, read as the
   run (``flags``: its config.yaml) read its data, the exported model's ``Objective.predict`` columns and a ``"row"``.
 
-The model's repeated blocks, which fsdp and fsdp2 shard and ``--grad-checkpointing`` recomputes one by one, are the
-classes it names in ``_no_split_modules`` (as Hugging Face models do), else the children of its ``nn.ModuleList``s.
-``build_skeleton``, for a model bigger than one device, is built already sharded under fsdp, fsdp2 and ZeRO-3: it must
-neither read nor initialize its parameters, as rank 0's ``build_model`` (or a resume's checkpoint) fills them by name.
+The model's repeated blocks (what fsdp and fsdp2 shard, and ``--grad-checkpointing`` recomputes, one by one) are the
+classes it names in ``_no_split_modules``, else the children of its ``nn.ModuleList``s. ``build_skeleton`` is built
+already sharded: it must neither read nor initialize its parameters, which rank 0's ``build_model`` fills by name.
 """
 
 from __future__ import annotations  # the types below are only named: task.py imports this before torch loads
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
@@ -68,15 +65,13 @@ class TaskSpec:
     # the model to train, weights in any dtype (the loop makes them fp32, then as precision wants); called at most once
     build_model: Callable[[], torch.nn.Module]
     objective: Objective
-    # (rows, row length or None: the longest, device) -> an input batch as the model gets it, to count FLOPs (made of
-    # fake tensors) and probe batch sizes
+    # (rows, row length or None: the longest, device) -> a batch as the model gets it: FLOPs, batch-size probes
     example_batch: Callable[[int, int | None, torch.device | str], dict]
     # what defines the model and its outputs (source, labels), JSON-able: checkpoints record it, a resume must match it
     fingerprint: dict
 
     # optional: each comment ends with the loop's fallback
-    # (best model's full weights, trained model, folder) -> its files; None: model.pt (the weights, torch.save) and
-    # config.json (the fingerprint)
+    # (best model's full weights, trained model, folder) -> its files; None: model.pt and config.json (fingerprint)
     export: Callable[[dict, torch.nn.Module, Path], None] | None = None
     lengths: RowLengths | None = None  # None: every row has one length (plain shuffles, no tokens/s)
     # build_model's architecture alone, fp32, same names, no value read or drawn; None: each rank builds build_model()
@@ -84,8 +79,7 @@ class TaskSpec:
     # "train", "validation" -> the loss there of the best output that ignores the inputs (fitted on the training rows):
     # a run that ends at it on both is warned; None: no check
     chance_loss: dict[str, float] | None = None
-    # optimizer steps -> the peak learning rate when --lr is not given (the run's length is known only after the
-    # loaders); None: --lr has a default in the task's flags
+    # optimizer steps -> the peak learning rate when --lr is not given; None: --lr has a default in the task's flags
     default_lr: Callable[[int], float] | None = None
     # flag -> the value the task settled (what auto detected): config.yaml records it, so a rerun repeats it; None: none
     decided_flags: dict | None = None

@@ -97,11 +97,11 @@ def test_resume_from_a_checkpoint_ends_with_the_same_adapters(reference, tmp_pat
     assert_same_run(out, results, reference)
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "deepspeed_stage_2", "deepspeed_stage_3"])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2", "deepspeed_stage_2", "deepspeed_stage_3"])
 def test_two_processes_train_the_same_adapters_as_one(reference, tmp_path, strategy):
     """Two CPU processes of 8 rows each: gradients of the adapters and the head averaged over both, the sharded
-    checkpoints of DeepSpeed gathered and merged for the export, the parameters counted whole (ZeRO-3 leaves each
-    rank a shard)."""
+    checkpoints of fsdp2 and DeepSpeed gathered and merged for the export, the parameters counted whole (ZeRO-3
+    leaves each rank a shard)."""
     results = train([*EXACT, "--batch-size", "8", "--accelerator", "cpu", "--devices", "2", "--strategy", strategy],
                     tmp_path, deepspeed_cpu=strategy.startswith("deepspeed"))
     assert results["world_size"] == 2

@@ -13,7 +13,7 @@ import signal
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForSequenceClassification, AutoTokenizer
+from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
 import predict
 import train
@@ -105,6 +105,20 @@ def test_max_length_beyond_the_models_positions_is_one_line_and_leaves_nothing(f
     assert err == f"error: --max-length 512 is beyond the 128 positions of model {models['roberta']}: pass " \
                   "--max-length 128 or less", err
     assert not (tmp_path / "run").exists()
+
+
+DROPOUT_NAMES = {"gpt2": ["attn_pdrop", "resid_pdrop", "embd_pdrop"], "t5": ["dropout_rate"],
+                 "distilbert": ["dropout", "seq_classif_dropout"]}
+
+
+@pytest.mark.parametrize("family, names", DROPOUT_NAMES.items())
+def test_the_dropout_flags_reach_the_names_each_family_gives_them(folders, family, names):
+    import task
+
+    path = folders[1][family]
+    assert all(getattr(AutoConfig.from_pretrained(path), name) > 0 for name in names)  # else this could not fail
+    model = task.build_model(str(path), ["neg", "pos"], "single_label", attention_dropout=0.0, hidden_dropout=0.0)
+    assert [getattr(model.config, name) for name in names] == [0.0] * len(names)
 
 
 def test_the_readme_lists_the_families_tested_here():

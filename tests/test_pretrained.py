@@ -95,3 +95,16 @@ def test_a_resume_reads_no_pretrained_model(runs):
     for rank in resumed["ranks"]:  # the checkpoint's values, the non-persistent buffers kept from the skeleton
         torch.testing.assert_close(torch.tensor(rank["logits"]), torch.tensor(first["ranks"][0]["source_logits"]))
         assert rank["position_ids"]
+
+
+def test_a_weight_tied_across_modules_is_filled_under_each_of_its_names():
+    """ZeRO-3's rank-0 fill looks a parameter up by the name its own module gives it: a weight tied across modules
+    (T5's and BART's embeddings) has one per module."""
+    from fabric_utils.pretrained import source_values
+
+    model = torch.nn.Sequential(torch.nn.Embedding(4, 2), torch.nn.Linear(2, 4))
+    model[1].weight = model[0].weight
+    names = {".".join(filter(None, (prefix, name))) for prefix, module in model.named_modules()
+             for name, _ in module.named_parameters(recurse=False)}
+    assert names == {"0.weight", "1.weight", "1.bias"}
+    assert names <= source_values(model).keys()
