@@ -1,5 +1,4 @@
-"""The rows per device a run uses: ``--batch-size``, or with ``auto`` the largest whose training step fits, agreed by
-all ranks."""
+"""The rows per device: ``--batch-size``, or with ``auto`` the largest whose training step fits on every rank."""
 
 import math
 import time
@@ -11,13 +10,12 @@ from fabric_utils.errors import UserError
 from fabric_utils.progress import say
 
 MAX_BATCH = 1024
-MAX_STEP_SECONDS = 10.0  # on a CPU memory rarely runs out first: stop where a step gets impractically slow
+MAX_STEP_SECONDS = 10.0  # on a CPU memory rarely runs out first
 MEMORY_HEADROOM = 0.9  # of the GPU's memory: the caching allocator's fragmentation needs the rest
 
 
 def fitting_batch_size(fabric, batch_size: int | str, spec, model, optimizer, loss_fn) -> int:
-    """--batch-size, or the largest that fits with ``auto`` (probed on the model and optimizer as set up: wrapped,
-    sharded, with state); at most the training rows per device (the header and config.yaml say what is used)."""
+    """--batch-size, or with ``auto`` the largest that fits the set-up model; at most the rows per device."""
     if batch_size == "auto":
         batch_size = find_batch_size(fabric, model, optimizer, loss_fn=loss_fn,
                                      make_batch=lambda rows: spec.example_batch(rows, None, fabric.device))
@@ -29,11 +27,9 @@ def fitting_batch_size(fabric, batch_size: int | str, spec, model, optimizer, lo
 
 def find_batch_size(fabric, model, optimizer, *, make_batch: Callable[[int], dict],
                     loss_fn: Callable[[torch.nn.Module, dict], torch.Tensor], limit: int = MAX_BATCH) -> int:
-    """Doubles the batch from 1 while a training step fits; returns the largest that did, agreed by all ranks.
-    ``make_batch(rows)`` gives rows at training's longest length. Real steps at learning rate 0 on the set-up model and
-    optimizer pay for what training pays for (buckets, shards, optimizer state); all ranks try each size in lockstep
-    and stop before a step that would not fit, as one out of memory halfway can leave a strategy mid-reduction."""
-    model.train()  # from_pretrained returns it in eval mode; what must fit is training's step, dropout included
+    """Doubles the batch from 1 while a real step at rate 0 fits; all ranks in lockstep, stopping before a step that
+    would not fit, as one out of memory halfway can leave a strategy mid-reduction."""
+    model.train()  # dropout included
     lrs = [group["lr"] for group in optimizer.param_groups]
     for group in optimizer.param_groups:
         group["lr"] = 0.0
@@ -48,7 +44,7 @@ def find_batch_size(fabric, model, optimizer, *, make_batch: Callable[[int], dic
                 break
     finally:
         optimizer.zero_grad(set_to_none=True)
-        optimizer.state.clear()  # Adam's moments come back zeroed at the first real step, as without the probe
+        optimizer.state.clear()  # as without the probe
         for group, lr in zip(optimizer.param_groups, lrs):
             group["lr"] = lr
     if best == 0:
@@ -59,8 +55,7 @@ def find_batch_size(fabric, model, optimizer, *, make_batch: Callable[[int], dic
 
 
 def _try_step(fabric, model, optimizer, batch: dict, loss_fn) -> tuple[int, int]:
-    """One step: whether it fit, and whether twice the rows would (CPU: within MAX_STEP_SECONDS; GPU: held memory plus
-    twice what the step added, an overestimate as gradients do not grow with rows, within MEMORY_HEADROOM)."""
+    """One step: whether it fit, and whether twice the rows would (CPU: in time; GPU: twice the memory it added)."""
     cuda = fabric.device.type == "cuda"
     if cuda:
         torch.cuda.empty_cache()

@@ -1,9 +1,5 @@
-"""Atomic, resumable checkpoints through ``fabric.save`` / ``fabric.load`` (so FSDP and DeepSpeed shard them): a folder
-``step-000123`` with ``state``, ``rng-rank<r>.pt`` per rank, ``record.json`` (fingerprint and world size, read before
-anything loads) and ``manifest.json`` (every file's size and SHA-256), written as ``.tmp-*`` and renamed once every
-rank is done; ``--resume auto`` takes the newest whose manifest still matches (a disk, a copy or a hand can damage one
-later). Before anything loads, rank 0 checks the chosen one's files against its manifest and its pickles against an
-allow-list (``safe_pickle``): a run folder from someone else can hold anything."""
+"""Atomic, verified checkpoints through ``fabric.save`` / ``fabric.load``: a folder of ``state``, ``rng-rank<r>.pt``,
+``record.json`` and ``manifest.json`` (sizes and SHA-256), written as ``.tmp-*`` and renamed once every rank is done."""
 
 import contextlib
 import errno
@@ -32,7 +28,7 @@ ROWS_PER_STEP = "rows per optimizer step (--batch-size x devices x --grad-accum)
 
 
 def rng_state() -> dict:
-    """Every random stream of this process, as tensors and plain types so ``weights_only=True`` can load it."""
+    """Every random stream of this process, in types ``weights_only=True`` loads."""
     _, mt_key, mt_pos, has_gauss, gauss = np.random.get_state()
     version, py_state, py_gauss = random.getstate()
     return {"python": [version, list(py_state), py_gauss],
@@ -75,11 +71,11 @@ def save_checkpoint(fabric, root: Path, tag: str, state: dict, keep_last: int | 
         (tmp / RECORD).write_text(json.dumps({"world_size": fabric.world_size, FINGERPRINT: state.get(FINGERPRINT)}))
         write_manifest(tmp)
         old = root / f".old-{tag}"
-        if final.exists():  # replace (only "best" is ever rewritten): the old copy goes only after the new is in place
+        if final.exists():  # "best": the old copy goes only once the new is in place
             final.rename(old)
         tmp.rename(final)
         shutil.rmtree(old, ignore_errors=True)
-        if keep_last:  # never the one just written, whatever the folder's other names say
+        if keep_last:
             for stale in step_checkpoints(root)[:-keep_last]:
                 if stale != final:
                     shutil.rmtree(stale)
@@ -88,7 +84,7 @@ def save_checkpoint(fabric, root: Path, tag: str, state: dict, keep_last: int | 
 
 
 def remove_checkpoint(path: Path) -> None:
-    """Removes checkpoint folder ``path`` (every shard): renamed first, so a kill midway leaves it whole or gone."""
+    """Renamed first, so a kill midway leaves it whole or gone."""
     trash = path.with_name(f".tmp-{path.name}")  # what save_checkpoint clears before writing ``path`` again
     shutil.rmtree(trash, ignore_errors=True)
     path.rename(trash)
@@ -96,15 +92,13 @@ def remove_checkpoint(path: Path) -> None:
 
 
 def with_loss_scaler(fabric, state: dict) -> dict:
-    """``state`` plus, under 16-mixed, the loss scaler Fabric leaves out: a resume at the first scale would skip steps
-    the uninterrupted run took (DeepSpeed keeps its own)."""
+    """``state`` plus the loss scaler Fabric leaves out: a resume at the first scale would skip steps."""
     return {**state, "loss_scaler": fabric.strategy.precision} if strategy.scales_loss(fabric) else state
 
 
 @contextlib.contextmanager
 def _deepspeed_weights_only(fabric, state: dict):
-    """Under DeepSpeed, a checkpoint without an optimizer (``best``) keeps the fp32 weights but not Adam's moments,
-    twice their size, which only a resume needs (DeepSpeed writes its optimizer whatever ``state`` holds)."""
+    """DeepSpeed writes its optimizer whatever ``state`` holds: without one (``best``), leave out Adam's moments."""
     if not strategy.uses_deepspeed(fabric):
         yield
         return
@@ -115,7 +109,7 @@ def _deepspeed_weights_only(fabric, state: dict):
     if any(isinstance(obj, (torch.optim.Optimizer, DeepSpeedOptimizer)) for obj in state.values()):
         yield
         return
-    full = optimizer.state_dict  # where stages 1 and 2 (BASE_...) and stage 3 keep the moments
+    full = optimizer.state_dict
 
     def without_moments() -> dict:
         written = {k: v for k, v in full().items() if k != BASE_OPTIMIZER_STATE}
@@ -131,8 +125,7 @@ def _deepspeed_weights_only(fabric, state: dict):
 
 
 def load_weights(fabric, path: Path, model) -> None:
-    """A checkpoint's weights into the set-up ``model``. ZeRO-3 loads its optimizer too, so each rank reads only its
-    own file (the weights alone are built whole on every rank), which leaves the optimizer unfit for more steps."""
+    """A checkpoint's weights into ``model``; under ZeRO-3 with its optimizer, so each rank reads only its file."""
     verify(fabric, path.parent)
     state = {"model": model}
     if strategy.uses_zero3(fabric):
@@ -152,8 +145,7 @@ def _sha256(path: Path) -> str:
 
 
 def damage(path: Path, contents: bool = True) -> str | None:
-    """What is wrong with checkpoint folder ``path`` by its manifest, or None; ``contents``: hash every file too (the
-    sizes alone only tell a cut or missing file)."""
+    """What is wrong with checkpoint folder ``path`` by its manifest (``contents``: hashes too), or None."""
     try:
         files = json.loads((path / MANIFEST).read_text())
         written = {name: (int(entry["bytes"]), str(entry["sha256"])) for name, entry in files.items()}
@@ -163,7 +155,7 @@ def damage(path: Path, contents: bool = True) -> str | None:
     found = {str(p.relative_to(path)) for p in path.rglob("*") if p.is_file()} - {MANIFEST}
     for name, (size, digest) in written.items():
         file = path / name
-        if not file.resolve().is_relative_to(folder):  # a manifest names its own files only
+        if not file.resolve().is_relative_to(folder):
             return f"its {MANIFEST} names {name}, outside the checkpoint"
         if not file.is_file():
             return f"{name} is missing"
@@ -177,8 +169,7 @@ def damage(path: Path, contents: bool = True) -> str | None:
 
 
 def step_checkpoints(root: Path, report: Callable[[str], None] | None = None, contents: bool = False) -> list[Path]:
-    """Whole step checkpoints under ``root``, oldest first (by their files' sizes; ``contents``: and hashes);
-    ``report`` is told of each damaged one left out."""
+    """Whole step checkpoints under ``root``, oldest first; ``report`` is told of each damaged one."""
     found = []
     for path in sorted((p for p in root.glob("step-*") if p.is_dir() and STEP_PATTERN.match(p.name)),
                        key=lambda p: int(STEP_PATTERN.match(p.name).group(1))):
@@ -200,7 +191,7 @@ def find_resume_checkpoint(resume: str | None, root: Path, report: Callable[[str
             if not final.exists() and damage(old) is None:
                 with contextlib.suppress(OSError):  # another process got there first
                     old.rename(final)
-        for path in reversed(step_checkpoints(root, report)):  # hashed newest first, until one is whole
+        for path in reversed(step_checkpoints(root, report)):
             if (problem := damage(path)) is None:
                 return path
             report(f"skipping damaged checkpoint {path}: {problem}")
@@ -216,9 +207,7 @@ def find_resume_checkpoint(resume: str | None, root: Path, report: Callable[[str
 
 def agreed_resume_checkpoint(fabric, resume: str | None, root: Path,
                              report: Callable[[str], None] = print) -> Path | None:
-    """``find_resume_checkpoint`` as rank 0 sees it, on every rank, its pickles checked by rank 0: ranks that listed
-    the folder each for themselves could pick different checkpoints (a node-local --out-dir, a network file system
-    that shows new folders late)."""
+    """``find_resume_checkpoint`` as rank 0 sees it, on every rank: nodes can list the folder differently."""
     found, refused = None, None
     if fabric.is_global_zero:
         found = find_resume_checkpoint(resume, root, report)
@@ -235,7 +224,6 @@ def agreed_resume_checkpoint(fabric, resume: str | None, root: Path,
 
 
 def _refusal(folder: Path) -> str | None:
-    """Why rank 0 refuses to load checkpoint ``folder`` (a pickle outside the allow-list), or None."""
     try:
         check_folder(folder)
     except UserError as err:
@@ -244,7 +232,7 @@ def _refusal(folder: Path) -> str | None:
 
 
 def verify(fabric, folder: Path) -> None:
-    """Refuses, on every rank, a checkpoint ``folder`` that changed since it was written or that could run code."""
+    """Refuses, on every rank, a checkpoint that changed since it was written or that could run code."""
     refused = None
     if fabric.is_global_zero:
         problem = damage(folder)
@@ -254,7 +242,6 @@ def verify(fabric, folder: Path) -> None:
 
 
 def read_record(path: Path) -> dict:
-    """A checkpoint's ``record.json``: ``world_size`` and ``fingerprint``."""
     try:
         return json.loads((path / RECORD).read_text())
     except (OSError, ValueError) as err:
@@ -263,33 +250,29 @@ def read_record(path: Path) -> dict:
 
 
 def load_checkpoint(fabric, path: Path, state: dict, expected_fingerprint: dict | None = None) -> None:
-    """Restores ``state`` in place from ``path``, and this rank's RNG streams; refuses first, before restoring anything,
-    another fingerprint (not a cryptic shape error) or a world it cannot reshard."""
+    """Restores ``state`` in place, and this rank's RNG streams; refuses first another fingerprint or world size."""
     record = read_record(path)
     if expected_fingerprint is not None:  # as the record holds it: lists, not tuples
         _check_fingerprint(path, record[FINGERPRINT], json.loads(json.dumps(expected_fingerprint)))
     written_by = record["world_size"]
-    # one file (single device, DDP) and FSDP2's distributed checkpoint reshard on load; FSDP's, DeepSpeed's do not
     reshards = (path / "state").is_file() or strategy.reshards_checkpoints(fabric)
     if written_by != fabric.world_size and not reshards:
         raise UserError(f"checkpoint {path} holds the shards of {written_by} processes, which "
                         f"{type(fabric.strategy).__name__} cannot reshard for {fabric.world_size}: resume on "
                         f"{written_by} (ddp and fsdp2 checkpoints resume on any number of devices)")
-    target = with_loss_scaler(fabric, state)  # fabric.load restores it in place, in the plugin
+    target = with_loss_scaler(fabric, state)
     live = {key: obj for key, obj in target.items() if hasattr(obj, "load_state_dict")}
     try:
         fabric.load(path / "state", target, weights_only=True)
-    except (Exception, CheckpointException) as err:  # torch, safetensors and DeepSpeed each raise their own kinds
-        # torch distributed checkpoint's is a BaseException holding each rank's error
+    except (Exception, CheckpointException) as err:  # the latter, a BaseException, holds each rank's error
         cause = next(iter(err.failures.values()), (err,))[0] if isinstance(err, CheckpointException) else err
         raise UserError(f"cannot restore checkpoint {path}: {first_line(cause)[:300]} (is it from another model or "
                         f"label set, or damaged? start a new --out-dir or pass another --resume)") from err
     for key, obj in live.items():
-        # sharded FSDP and FSDP2 loads hand back a stateful non-model, non-optimizer (scheduler) as a state_dict
-        if target[key] is not obj:
+        if target[key] is not obj:  # sharded loads hand the scheduler back as a state_dict
             obj.load_state_dict(target[key])
             target[key] = obj
-    state.update({key: target[key] for key in state})  # fabric.load wrote the plain values (step, ...) into target
+    state.update({key: target[key] for key in state})
     rng_file = path / f"rng-rank{fabric.global_rank}.pt"
     if rng_file.exists():  # a rank the writing run did not have keeps its seeded streams
         try:
@@ -300,7 +283,7 @@ def load_checkpoint(fabric, path: Path, state: dict, expected_fingerprint: dict 
 
 
 def _same_value(a, b) -> bool:
-    """Equal, or two spellings (relative, absolute, ~) of one local path."""
+    """Equal, or two spellings of one local path."""
     if isinstance(a, str) and isinstance(b, str) and a != b:
         pa, pb = Path(a).expanduser(), Path(b).expanduser()
         return pa.exists() and pb.exists() and pa.resolve() == pb.resolve()
@@ -308,7 +291,6 @@ def _same_value(a, b) -> bool:
 
 
 def _check_fingerprint(path: Path, found, expected: dict) -> None:
-    """Refuses a checkpoint whose fingerprint is not ``expected``, naming each difference."""
     if not isinstance(found, dict):
         raise UserError(f"checkpoint {path} has no readable record of its task; start a new --out-dir or pass "
                         f"another --resume")
@@ -320,7 +302,7 @@ def _check_fingerprint(path: Path, found, expected: dict) -> None:
 
 
 def keep_rows_per_step(fabric, batch_size: int, grad_accum: int, checkpoint: Path | None) -> int:
-    """The --grad-accum that keeps ``checkpoint``'s rows per optimizer step (so the same rows) on this many devices."""
+    """The --grad-accum that keeps ``checkpoint``'s rows per optimizer step on this many devices."""
     if checkpoint is None:
         return grad_accum
     record = read_record(checkpoint)
@@ -339,8 +321,7 @@ def keep_rows_per_step(fabric, batch_size: int, grad_accum: int, checkpoint: Pat
 
 
 def load_best(fabric, out_dir: Path, model) -> Path | None:
-    """Loads the run's checkpoints/best into the set-up ``model`` and returns it; None where a resume of a finished
-    run found no better model (results.json holds its test); a one-line error where both are gone."""
+    """Loads checkpoints/best into ``model`` and returns it; None where a finished run's resume found no better one."""
     best, results_file = out_dir / "checkpoints" / "best", out_dir / "results.json"
     if best.exists():
         load_weights(fabric, best / "state", model)
@@ -353,8 +334,7 @@ def load_best(fabric, out_dir: Path, model) -> Path | None:
 
 
 def best_rule(objective, choice: str | None) -> tuple[str, str, Callable[[float, float | None], bool]]:
-    """The validation metric that picks checkpoints/best, its direction and its comparison: the task's, or
-    ``--best-metric NAME[:max|:min]`` (the loss, or a metric whose torchmetrics class knows its direction)."""
+    """The validation metric that picks checkpoints/best, its direction and comparison: the task's or ``choice``'s."""
     if choice is None:
         direction = {True: "max", False: "min"}.get(getattr(objective, "higher_is_better", None), "the task's rule")
         return objective.best_metric, direction, objective.is_better
@@ -373,8 +353,7 @@ def best_rule(objective, choice: str | None) -> tuple[str, str, Callable[[float,
 
 
 def improves(val: dict, best: dict, metric: str, is_better) -> bool:
-    """Whether validation results ``val`` beat ``best``'s on ``metric``; a tie (an accuracy of 1.0 reached early, say)
-    goes to the lower validation loss, so the export is the model that went on learning."""
+    """Whether ``val`` beats ``best`` on ``metric``; a tie goes to the lower loss, the model that went on learning."""
     if best and val[metric] == best[metric]:
         return val["loss"] < best["loss"]
     return is_better(val[metric], best.get(metric))

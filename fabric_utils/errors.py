@@ -11,12 +11,11 @@ RANK_ZERO_REPORTS_WITHIN_S = 10  # what a loaded machine can put between two ran
 
 
 class PeerLost(Exception):
-    """A collective failed because another process of the job ended; the message says what is known of it."""
+    """A collective failed because another process of the job ended."""
 
 
 class UserError(Exception):
-    """Bad input (flags, data, model, checkpoint, output folder), printed by rank 0 as every rank finds it, or by the
-    ``rank`` it names where only that rank can see it (a file of its own)."""
+    """Bad input, printed by rank 0, or by ``rank`` where only that rank can see it."""
 
     def __init__(self, message: str, rank: int | None = None):
         super().__init__(message)
@@ -24,13 +23,11 @@ class UserError(Exception):
 
 
 def first_line(err: BaseException) -> str:
-    """What a one-line error quotes of a library's exception: its message's first line, or its type's name."""
     return str(err).splitlines()[0] if str(err) else type(err).__name__
 
 
 def exit_on_user_error(main):
-    """A ``UserError`` becomes ``error: <message>`` on stderr, printed once, and exit status 2; when a process of the
-    job is lost, the others' next collective fails, and they stop with one line from rank 0 and no tracebacks."""
+    """A ``UserError`` becomes ``error: <message>`` on stderr and exit status 2; a lost peer, one line from rank 0."""
     @functools.wraps(main)
     def wrapper(*args, **kwargs):
         try:
@@ -39,13 +36,13 @@ def exit_on_user_error(main):
             line = f"error (rank {err.rank}): {err}" if err.rank else f"error: {err}"
             under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ
             if err.rank is None and _global_rank() != 0 and under_torchrun:
-                # torchrun stops every worker once one exits: rank 0 gets the time to report what all found first,
-                # and this rank reports it only if it is still running then (rank 0 may be on another node)
+                # torchrun stops every worker once one exits: rank 0 (maybe on another node) gets time to report first
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)
                 time.sleep(RANK_ZERO_REPORTS_WITHIN_S)
             if err.rank is not None or _global_rank() == 0 or under_torchrun:
                 print(line, file=sys.stderr, flush=True)
-            if error_file := os.environ.get("TORCHELASTIC_ERROR_FILE"):  # torchrun reports it as the cause
+            if error_file := os.environ.get("TORCHELASTIC_ERROR_FILE"):
+                # torchrun's root cause; ErrorHandler.record_exception would put the traceback there, not the line
                 record = {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}
                 with open(error_file, "w") as file:
                     json.dump({"message": record}, file)
@@ -61,7 +58,6 @@ def exit_on_user_error(main):
 
 
 def lost_a_peer(err: Exception) -> bool:
-    """Whether a collective failed because another process of the job is gone."""
     import torch.distributed as dist  # here: the flags are parsed, and may fail, before torch is imported
     return isinstance(err, dist.DistError) or isinstance(err, RuntimeError) and "by peer" in str(err)
 

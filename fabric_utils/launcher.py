@@ -1,5 +1,4 @@
-"""Map command-line flags to a ``lightning.Fabric``: accelerator, devices, num_nodes, strategy, precision. Under
-``fabric run`` its settings (``LT_*`` variables) win, and train.py given another value stops, saying which to remove."""
+"""The ``lightning.Fabric`` of the launch flags, or of ``fabric run``'s settings, and its processes."""
 
 import contextlib
 import os
@@ -28,7 +27,7 @@ from fabric_utils.strategy import uses_deepspeed
 
 
 def launch(fabric: Fabric) -> None:
-    """Fabric step 2: start the processes; under ``fabric run`` they exist already (Fabric refuses a second launch)."""
+    """Fabric step 2: start the processes; under ``fabric run`` they exist already."""
     if not launched_by_cli():
         join_restarted_torchrun_workers(fabric)
         fabric.launch()
@@ -36,8 +35,7 @@ def launch(fabric: Fabric) -> None:
 
 @contextlib.contextmanager
 def explain_lost_peers(fabric: Fabric):
-    """A collective that failed because another process of the job ended becomes a ``PeerLost`` saying which and how,
-    where this process started it (under Lightning's launcher, local rank 0 starts the node's others)."""
+    """A collective failed as another process ended: a ``PeerLost`` saying which and how, where this one started it."""
     try:
         yield
     except Exception as err:
@@ -56,8 +54,7 @@ def explain_lost_peers(fabric: Fabric):
 
 
 def end_job(fabric: Fabric) -> None:
-    """Every process's last step: a barrier (no collective left in flight), then the process group destroyed; left to
-    interpreter teardown, gloo's threads can kill a process whose work is done."""
+    """A barrier, then the process group destroyed: left to teardown, gloo's threads can kill a finished process."""
     if torch.distributed.is_initialized():
         fabric.barrier()
         time.sleep(0.1)  # gloo's workers may need the GIL, which the group's destructor holds while it joins them
@@ -65,9 +62,8 @@ def end_job(fabric: Fabric) -> None:
 
 
 def join_restarted_torchrun_workers(fabric: Fabric) -> None:
-    """Workers restarted by ``torchrun --max-restarts`` get the first attempt's store, where gloo would find the dead
-    workers' addresses: they join under their attempt's key prefix, counted in the store (the restart count is per
-    node); Fabric then uses the group made."""
+    """Workers restarted by ``torchrun --max-restarts`` join under their attempt's key prefix: the store still holds
+    the dead workers' addresses (the restart count is per node, so attempts are counted in the store)."""
     if "TORCHELASTIC_RESTART_COUNT" not in os.environ or torch.distributed.is_initialized():
         return
     store = torch.distributed.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
@@ -81,50 +77,47 @@ def join_restarted_torchrun_workers(fabric: Fabric) -> None:
 
 
 def resolve_launch_settings(flags: dict) -> dict:
-    """The five settings Fabric gets: ``fabric run``'s, else ``flags`` (None: not given), else the flags' defaults."""
+    """The five settings Fabric gets: ``fabric run``'s, else ``flags`` (None: not given), else the defaults."""
     from_cli = fabric_run_settings(flags)
     settings = {name: from_cli.get(name, default if flags.get(name) is None else flags[name])
                 for name, default in LAUNCH_DEFAULTS.items()}
     settings["num_nodes"] = int(settings["num_nodes"])
     if settings["precision"] == "auto":
         settings["precision"] = auto_precision(settings["accelerator"], settings["strategy"])
-    if settings["precision"] == FP8:  # train.py converts the model's layers; Fabric runs the rest in bf16 autocast
+    if settings["precision"] == FP8:  # Fabric runs the layers left in bf16 autocast
         settings["precision"] = "bf16-mixed"
     return settings
 
 
 def auto_precision(accelerator: str, strategy: str = "auto") -> str:
-    """bf16 autocast where the hardware runs it faster than fp32 (GPUs with native bf16, CPUs with fast bf16), fp16 with
-    loss scaling on older GPUs (fp32 under fsdp2: it has no loss scaler), else fp32."""
+    """bf16-mixed where it runs faster than fp32, 16-mixed on older GPUs (fsdp2 has no loss scaler), else fp32."""
     if accelerator in ("cuda", "gpu") or (accelerator == "auto" and torch.cuda.is_available()):
-        if torch.cuda.is_bf16_supported(including_emulation=False):  # by default it counts V100 and T4, which emulate
+        if torch.cuda.is_bf16_supported(including_emulation=False):
             return "bf16-mixed"
         return "32-true" if strategy == FSDP2 else "16-mixed"
     return "bf16-mixed" if accelerator in ("cpu", "auto") and cpu_has_fast_bf16() else "32-true"
 
 
 def cpu_has_fast_bf16(cpuinfo: str | None = None) -> bool:
-    """Intel's AMX or AMD's AVX512-BF16, where bf16-mixed trains faster than fp32; on an Intel CPU with AVX512-BF16
-    and no AMX it trained slower."""
+    """Intel's AMX or AMD's AVX512-BF16 (Intel's AVX512-BF16 alone trains slower than fp32)."""
     try:
         flags = set((cpuinfo if cpuinfo is not None else Path("/proc/cpuinfo").read_text()).split())
-    except OSError:  # not Linux: no cheap way to tell, and fp32 is the safe choice
+    except OSError:  # not Linux: fp32 is the safe choice
         return False
     return "amx_bf16" in flags or {"AuthenticAMD", "avx512_bf16"} <= flags
 
 
 def build_fabric(accelerator=None, devices=None, num_nodes=None, strategy=None, precision=None, grad_clip=0.0,
                  grad_checkpointing=False, **fabric_kwargs) -> Fabric:
-    """The Fabric of the launch flags (None: not given); a setting Fabric rejects becomes a one-line ``UserError``."""
+    """The Fabric of the launch flags (None: not given); a setting Fabric rejects is a one-line ``UserError``."""
     settings = resolve_launch_settings(dict(accelerator=accelerator, devices=devices, num_nodes=num_nodes,
                                             strategy=strategy, precision=precision))
     try:
         strategy = build_strategy(settings, grad_checkpointing)
         if not isinstance(strategy, str):  # Fabric would take `fabric run`'s LT_STRATEGY (in settings) over it
             os.environ.pop("LT_STRATEGY", None)
-        with warnings.catch_warnings():  # check_precision_supported makes this swap an error, in one line
+        with warnings.catch_warnings():  # check_precision_supported says these in one line
             warnings.filterwarnings("ignore", message=".*AMP with fp16 is not supported on CPU")
-            # 16 is 16-mixed: the advice to write it so would come before that error, which 16-mixed gets too
             warnings.filterwarnings("ignore", message=".*is supported for historical reasons")
             fabric = Fabric(**{**settings, "strategy": strategy}, **fabric_kwargs)
     except (ValueError, RuntimeError, TypeError, MisconfigurationException) as err:
@@ -133,13 +126,11 @@ def build_fabric(accelerator=None, devices=None, num_nodes=None, strategy=None, 
     if precision == FP8:
         check_fp8_supported(fabric.device, settings["strategy"])
     deepspeed = uses_deepspeed(fabric)
-    # Fabric refuses DeepSpeed off CUDA only once each process started, a traceback each: checked here, against the
-    # class Fabric checks (the tests' CPU shim swaps it)
+    # Fabric refuses DeepSpeed off CUDA only once each process started (the tests' CPU shim swaps the class)
     if deepspeed and not isinstance(fabric.accelerator, fabric_deepspeed.CUDAAccelerator):
         raise UserError(f"--strategy {settings['strategy']} needs CUDA GPUs (DeepSpeed); on a CPU use --strategy ddp, "
                         f"{FSDP2} or auto")
-    # CPU processes beyond the cores each train with their own threads: the job would crawl (launchers that start
-    # the processes themselves, torchrun and SLURM, have placed them already)
+    # CPU processes beyond the cores would crawl (torchrun and SLURM placed theirs already)
     environment = getattr(fabric.strategy, "cluster_environment", None)
     if (fabric.device.type == "cpu" and environment is not None and not environment.creates_processes_externally
             and not launched_by_cli()):
@@ -153,8 +144,7 @@ def build_fabric(accelerator=None, devices=None, num_nodes=None, strategy=None, 
 
 
 def build_strategy(settings: dict, grad_checkpointing: bool):
-    """The strategy name, or for FSDP one that shards each block as its own unit (Fabric's default: the whole model
-    as one) and recomputes the blocks itself under --grad-checkpointing (Hugging Face's conflicts with FSDP)."""
+    """The strategy's name, or for fsdp and fsdp2 one that shards, and recomputes, each block as its own unit."""
     name = settings["strategy"]
     if name == FSDP2:
         return ModelParallelStrategy(partial(shard_blocks, grad_checkpointing=grad_checkpointing,
@@ -169,7 +159,7 @@ def build_strategy(settings: dict, grad_checkpointing: bool):
 
 
 def count_processes(settings: dict) -> int:
-    """The world size, counted as Fabric's connector will: ModelParallelStrategy needs it before Fabric is built."""
+    """The world size, as Fabric will count it: ModelParallelStrategy needs it first."""
     accelerator = settings["accelerator"]
     if accelerator in ("auto", "gpu"):
         accelerator = "cuda" if torch.cuda.is_available() else "cpu"
@@ -179,8 +169,7 @@ def count_processes(settings: dict) -> int:
 
 
 def check_precision_supported(precision: str, built: str, device: torch.device) -> None:
-    """Fabric swaps 16-mixed for bf16-mixed on CPUs behind a warning (``built``: what it chose; the tests' CPU shim
-    builds real fp16), and lets bf16 through on GPUs that only emulate it."""
+    """Fabric swaps 16-mixed for bf16 on CPUs (``built``) behind a warning, and runs bf16 on GPUs that emulate it."""
     precision = str(precision)
     if device.type == "cpu" and precision.startswith(("16", "transformer-engine")) and built != "16-mixed":
         raise UserError(f"--precision {precision} needs a CUDA GPU (fp16 with loss scaling); on a CPU use "
@@ -192,8 +181,7 @@ def check_precision_supported(precision: str, built: str, device: torch.device) 
 
 
 def warn_if_updates_vanish(plugin: Precision, lr: float) -> None:
-    """bf16 weights (8 significant bits) round away any step below 1/512 of their size, so at fine-tuning rates most
-    never move; DeepSpeed keeps fp32 master weights, the plain and FSDP plugins do not."""
+    """bf16 weights round away steps below 1/512 of their size; DeepSpeed alone keeps fp32 master weights."""
     if plugin.precision == "bf16-true" and not isinstance(plugin, DeepSpeedPrecision):
         rank_zero_warn(f"--precision bf16-true keeps the weights in bf16, which rounds away updates below 1/512 of a "
                        f"weight: at --lr {lr:g}, AdamW leaves weights larger than {512 * lr:.2g} unchanged; use "
@@ -201,11 +189,10 @@ def warn_if_updates_vanish(plugin: Precision, lr: float) -> None:
 
 
 def configure_deepspeed(strategy: DeepSpeedStrategy, grad_clip: float) -> None:
-    """DeepSpeed clips inside its optimizer step, so the clip value goes into its config; Fabric never calls
-    ``engine.step()``, so a ``no_backward_sync`` tells the engine which backward ends the accumulation group."""
+    """The clip value in DeepSpeed's config (it clips in its step), and a ``no_backward_sync`` that ends the engine's
+    accumulation (Fabric never calls ``engine.step()``)."""
     strategy.config["gradient_clipping"] = grad_clip
-    # ZeRO-2/3 reduce-scatter every backward and accumulate the shards: in fp32, not bf16's 8 bits. Not ZeRO-1 (bf16
-    # .grad, as autograd): fp32 there swaps in BF16_Optimizer, whose checkpoints zero_to_fp32 cannot read (export fails)
+    # ZeRO-2/3 accumulate reduced shards: in fp32; ZeRO-1 would swap in BF16_Optimizer, whose checkpoints cannot export
     if strategy.precision.precision.startswith("bf16") and strategy.config["zero_optimization"]["stage"] >= 2:
         strategy.config.setdefault("data_types", {})["grad_accum_dtype"] = "fp32"
     set_backward_sync_control(strategy, _DeepSpeedAccumulationBoundary())

@@ -1,6 +1,4 @@
-"""Batches of map-style datasets on any number of processes, grouped or sorted by row size so padding stays small.
-Training sees every row once per epoch, on one rank; evaluation scores every row once, a rank one row short repeating
-one (``EvalBatchSampler.num_real``), as sharded strategies need every rank in every forward."""
+"""Batches of map-style datasets on any number of processes, grouped or sorted by row size so padding stays small."""
 
 import dataclasses
 import math
@@ -12,8 +10,8 @@ from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 
 
 class TrainBatchSampler(Sampler[list[int]]):
-    """This rank's batches of one epoch, deterministic in (seed, epoch) so a resume can skip ahead, and in the rows per
-    optimizer step alone, so a run resumes on another number of devices with the same steps."""
+    """This rank's batches of one epoch, set by (seed, epoch) and the rows per optimizer step alone, so a resume on any
+    number of devices continues the same steps."""
 
     def __init__(self, lengths, batch_size, num_replicas=1, rank=0, seed=0, group_by_length=True, grad_accum=1):
         self.lengths = list(lengths)
@@ -25,13 +23,13 @@ class TrainBatchSampler(Sampler[list[int]]):
         self.epoch, self.start_batch = epoch, start_batch
 
     def global_batches(self) -> list[list[int]]:
-        """All ranks' batches, ``batch_size * num_replicas`` rows each (the last may have fewer, as many per rank)."""
+        """All ranks' batches, ``batch_size * num_replicas`` rows each (the last may have fewer)."""
         g = torch.Generator().manual_seed(self.seed + self.epoch)
         order = torch.randperm(len(self.lengths), generator=g).tolist()
         order += order[: -len(order) % self.num_replicas]  # pad, as DistributedSampler does, to share evenly
         if self.group_by_length:  # similar lengths within an optimizer step, but a random sequence of lengths
             step = self.batch_size * self.num_replicas * self.grad_accum
-            mega = step * 50  # the rows of 50 optimizer steps are sorted by length together
+            mega = step * 50  # sorted by length together
             order = [i for s in range(0, len(order), mega)
                      for i in sorted(order[s:s + mega], key=self.lengths.__getitem__, reverse=True)]
             steps = [order[s:s + step] for s in range(0, len(order), step)]
@@ -51,9 +49,8 @@ class TrainBatchSampler(Sampler[list[int]]):
 
 
 class EvalBatchSampler(Sampler[list[int]]):
-    """Rank r scores rows r, r + W, r + 2W, ... sorted by length, in batches of ``batch_size`` rows, all of them: the
-    last is filled by repeating the rank's last row (a rank with none at all, where the split has fewer rows than there
-    are ranks, repeats the first), so every rank runs as many batches, all of one size (``num_real``: the real ones)."""
+    """Rank r scores rows r, r + W, ... sorted by length; the last batch is filled with repeats, so every rank runs as
+    many batches of one size, as sharded strategies need (``num_real``: the real rows)."""
 
     def __init__(self, lengths, batch_size, num_replicas=1, rank=0):
         mine = sorted(range(rank, len(lengths), num_replicas), key=lambda i: lengths[i], reverse=True)
@@ -70,8 +67,7 @@ class EvalBatchSampler(Sampler[list[int]]):
         return math.ceil(len(self.indices) / self.batch_size)
 
     def gather(self, fabric, columns: list[dict]) -> dict:
-        """Each rank's per-row columns (a dict per batch) gathered over ranks: each real row once, in the split's
-        order."""
+        """Each rank's per-row columns (a dict per batch) gathered: each real row once, in the split's order."""
         mine = {name: torch.cat([batch[name] for batch in columns]) for name in columns[0]}
         mine["row"] = torch.tensor(self.indices, device=fabric.device)
         mine["real"] = (torch.arange(len(self.indices), device=fabric.device) < self.num_real).int()
@@ -83,8 +79,7 @@ class EvalBatchSampler(Sampler[list[int]]):
 
 
 def fill_rows(batch: dict, rows: int) -> dict:
-    """``batch`` with ``rows`` rows, a short one's last row repeated: every batch of one length has one shape (compiled
-    graphs, CUDA graphs); the loop leaves the repeats out of the loss (``first_rows``)."""
+    """``batch`` with ``rows`` rows, its last repeated, so compiled graphs see one shape (``first_rows`` drops them)."""
     short = rows - len(batch["labels"])
     if short <= 0:
         return batch
@@ -96,16 +91,14 @@ def first_rows(batch: dict, rows: int) -> dict:
 
 
 def ignore_sigterm_in_worker(worker_id: int) -> None:
-    """A ``worker_init_fn``: SLURM signals loader workers too, and one that died of it would fail the rank ("DataLoader
-    worker exited unexpectedly") before its checkpoint. The rank stops its workers itself."""
+    """SLURM signals loader workers too: one that died of it would fail the rank before its checkpoint."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def make_dataloaders(datasets: dict[str, Dataset], collate: Callable[[list], dict],
                      sizes: dict[str, Sequence[int]] | None, *, batch_size, eval_batch_size, world_size, rank, seed,
                      group_by_length, num_workers, pin_memory, grad_accum=1) -> dict:
-    """``{"train", "validation", "test"}`` loaders; the samplers already shard across ranks. Without ``sizes`` every
-    row counts as the same size: training batches are plain shuffles, evaluation keeps the split's order."""
+    """``{"train", "validation", "test"}`` loaders, sharded by their samplers; without ``sizes``, rows are one size."""
     group_by_length = group_by_length and sizes is not None
     sizes = sizes or {name: [1] * len(dataset) for name, dataset in datasets.items()}
     samplers = {"train": TrainBatchSampler(sizes["train"], batch_size, world_size, rank, seed, group_by_length,
@@ -114,18 +107,16 @@ def make_dataloaders(datasets: dict[str, Dataset], collate: Callable[[list], dic
                    for name in ("validation", "test")}}
     return {name: DataLoader(datasets[name], batch_sampler=sampler, collate_fn=collate, num_workers=num_workers,
                              pin_memory=pin_memory, persistent_workers=num_workers > 0,
-                             worker_init_fn=ignore_sigterm_in_worker,  # a preemption's SIGTERM is the rank's to handle
-                             # not the global RNG: seeding workers from it would shift dropout masks after a resume
+                             worker_init_fn=ignore_sigterm_in_worker,
+                             # not the global RNG, whose draws would shift dropout masks after a resume
                              generator=torch.Generator().manual_seed(seed))
             for name, sampler in samplers.items()}
 
 
 def cut_splits(spec, batches: int, train_rows: int, eval_rows: int):
-    """``spec`` with each split cut to its first ``batches`` batches (--fast-dev-run), of ``train_rows`` rows in
-    training and ``eval_rows`` in evaluation: whatever the task."""
+    """``spec`` with each split cut to its first ``batches`` batches (--fast-dev-run)."""
     rows = {"train": batches * train_rows, "validation": batches * eval_rows, "test": batches * eval_rows}
     datasets = {name: Subset(split, range(min(len(split), rows[name]))) for name, split in spec.datasets.items()}
     lengths = spec.lengths and dataclasses.replace(spec.lengths, per_split={
         name: [lengths[i] for i in range(len(datasets[name]))] for name, lengths in spec.lengths.per_split.items()})
-    # a run of a few steps is at chance by design: no line saying it did not learn
-    return dataclasses.replace(spec, datasets=datasets, lengths=lengths, chance_loss=None)
+    return dataclasses.replace(spec, datasets=datasets, lengths=lengths, chance_loss=None)  # at chance by design

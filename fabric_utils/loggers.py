@@ -1,5 +1,4 @@
-"""Where a run's metrics go: Fabric's CSV log (always: the run's own record, which the plots read), and TensorBoard,
-MLflow or W&B beside it (Lightning's loggers, which implement Fabric's interface); loss/acc plots."""
+"""Where a run's metrics go: Fabric's CSV log (always: the plots read it), and TensorBoard, MLflow or W&B beside it."""
 
 import importlib
 import json
@@ -12,17 +11,16 @@ from lightning.pytorch.loggers import MLFlowLogger, WandbLogger  # they import m
 
 from fabric_utils.errors import UserError
 
-# what each tracker imports, all installed by ``pip install <tracker>`` (MLflow's sqlite store needs the other two)
+# what each tracker imports, all installed by ``pip install <tracker>``
 TRACKER_MODULES = {"mlflow": ("mlflow", "sqlalchemy", "alembic"), "wandb": ("wandb",)}
 TRACKER_IDS_FILE = "trackers.json"
 
 
 def make_loggers(names: str, out_dir: Path, project: str, resume: bool = False) -> list:
-    """The CSV logger (a new ``logs/version_N`` per start) and those in ``names``; a ``resume`` continues the tracked
-    runs whose ids ``save_tracker_ids`` kept. Trackers exist on rank 0 only: MLflow creates its store when built."""
+    """The CSV logger and those in ``names``, trackers on rank 0 only; a ``resume`` continues the tracked runs."""
     names = set(names.split(","))
     trackers = [name for name in TRACKER_MODULES if name in names]
-    for name in trackers:  # before any logger exists, so a missing package leaves nothing behind
+    for name in trackers:  # before any logger leaves files behind
         for module in TRACKER_MODULES[name]:
             try:
                 importlib.import_module(module)
@@ -31,7 +29,7 @@ def make_loggers(names: str, out_dir: Path, project: str, resume: bool = False) 
     loggers = [CSVLogger(out_dir, name="logs")]
     if "tensorboard" in names:
         loggers.append(TensorBoardLogger(out_dir, name="tensorboard"))
-    if rank_zero_only.rank == 0:  # known from the launcher's environment before Fabric starts the processes
+    if rank_zero_only.rank == 0:  # known from the environment before Fabric starts the processes
         ids_file = out_dir / TRACKER_IDS_FILE
         ids = json.loads(ids_file.read_text()) if resume and ids_file.is_file() else {}
         make = {"mlflow": _mlflow_logger, "wandb": _wandb_logger}
@@ -40,12 +38,11 @@ def make_loggers(names: str, out_dir: Path, project: str, resume: bool = False) 
 
 
 def _mlflow_logger(out_dir: Path, project: str, run_id: str | None):
-    """``MLFLOW_TRACKING_URI`` if set (a server or a shared store), else a SQLite store in the run folder: MLflow 3
-    refuses its old ``file:`` store unless told to, and SQLite needs no server."""
+    """``MLFLOW_TRACKING_URI`` if set, else a SQLite store in the run folder (MLflow 3 refuses its ``file:`` store)."""
     tracking_uri = os.environ.get("MLFLOW_TRACKING_URI")
     artifact_location = None  # a server chooses its own
     if not tracking_uri:
-        out_dir.mkdir(parents=True, exist_ok=True)  # a default run folder is made only later, as the job agrees on it
+        out_dir.mkdir(parents=True, exist_ok=True)
         tracking_uri = f"sqlite:///{(out_dir / 'mlflow.db').resolve()}"
         artifact_location = (out_dir / "mlartifacts").resolve().as_uri()  # else ./mlruns of the working folder
     return MLFlowLogger(experiment_name=project, run_name=out_dir.name, tracking_uri=tracking_uri,
@@ -53,8 +50,7 @@ def _mlflow_logger(out_dir: Path, project: str, run_id: str | None):
 
 
 def _wandb_logger(out_dir: Path, project: str, run_id: str | None):
-    """Files in ``<out_dir>/wandb``; offline unless an API key is configured, so a run never stops to ask for one
-    (``WANDB_MODE`` decides if set; ``wandb sync`` uploads later)."""
+    """Offline unless an API key is configured (or ``WANDB_MODE`` says), so a run never stops to ask for one."""
     import wandb
 
     offline = "WANDB_MODE" not in os.environ and not wandb.login(prompt=False, verify=False)
@@ -63,11 +59,10 @@ def _wandb_logger(out_dir: Path, project: str, run_id: str | None):
 
 
 def save_tracker_ids(fabric, out_dir: Path) -> None:
-    """Starts the tracked runs and keeps their ids in the run folder, not the checkpoint: Fabric takes its loggers when
-    built, so a resume needs them (``make_loggers``) before any checkpoint can be read."""
-    if fabric.is_global_zero:  # the one process with trackers
+    """Starts the tracked runs and keeps their ids in the run folder: a resume needs them before Fabric exists."""
+    if fabric.is_global_zero:
         ids = {}
-        for logger in fabric.loggers:  # each id starts its run
+        for logger in fabric.loggers:
             if isinstance(logger, MLFlowLogger):
                 ids["mlflow"] = logger.run_id
             elif isinstance(logger, WandbLogger):
@@ -77,8 +72,7 @@ def save_tracker_ids(fabric, out_dir: Path) -> None:
 
 
 def finalize_loggers(loggers: list, status: str = "success") -> None:
-    """Flushes every logger (metrics.csv, which the plots read) and ends the tracked runs; W&B's here, as Lightning
-    leaves it open until the process exits and a second run in it (a notebook, a sweep) would reuse it."""
+    """Flushes every logger and ends the tracked runs; W&B's too, which a second run in the process would reuse."""
     for logger in loggers:
         logger.finalize(status)
         if isinstance(logger, WandbLogger):
@@ -86,23 +80,21 @@ def finalize_loggers(loggers: list, status: str = "success") -> None:
 
 
 def read_metrics(out_dir: Path):
-    """The run's logged metrics, one row per logged step and kind, from every ``metrics.csv`` of the run (one per
-    start) as one pandas DataFrame; None if it logged none."""
+    """Every start's ``metrics.csv`` as one pandas DataFrame, a resumed start's rows replacing those it repeats."""
     csvs = sorted(out_dir.glob("logs/version_*/metrics.csv"), key=lambda p: int(p.parent.name.split("_")[1]))
     if not csvs:
         return None
     import pandas as pd
 
     frames = []
-    for csv in csvs:  # a resumed run logs again from its checkpoint's step: the later log wins from there on
+    for csv in csvs:
         frame = pd.read_csv(csv)
         frames = [f[f["step"] < frame["step"].min()] for f in frames] + [frame]
     return pd.concat(frames)
 
 
 def plot_metrics(out_dir: Path) -> list[Path]:
-    """One PNG per metric (loss, acc, f1, ...): its train and validation curves against the step, from every
-    ``metrics.csv`` of the run (``read_metrics``)."""
+    """One PNG per metric: its train and validation curves against the step."""
     metrics = read_metrics(out_dir)
     if metrics is None:
         return []
@@ -117,7 +109,7 @@ def plot_metrics(out_dir: Path) -> list[Path]:
             column = f"{split}/{name}"
             if column in metrics:
                 points = metrics[["step", column]].dropna()
-                # markers where points are few: a line alone hides that a short run logged once or twice
+                # markers where points are few: a line alone hides a single point
                 ax.plot(points["step"], points[column], marker="o" if split == "val" or len(points) <= 30 else None,
                         label=split)
         ax.set(xlabel="optimizer step", ylabel=name, title=f"{name} per step")

@@ -1,6 +1,5 @@
-"""Stop cleanly on SIGTERM / SIGUSR1 (what SLURM and Kubernetes send before a kill) and on Ctrl-C: every rank finishes
-its step and saves a checkpoint, then the job exits ``EXIT_PREEMPTED`` for a wrapper to requeue; a second Ctrl-C stops
-at once. Every rank ends in one order (workers, barrier, process group), as teardown alone can abort in C++."""
+"""On SIGTERM / SIGUSR1 (SLURM's and Kubernetes' notice) and Ctrl-C: every rank checkpoints, then the job exits
+``EXIT_PREEMPTED`` for a wrapper to requeue; a second Ctrl-C stops at once."""
 
 import os
 import signal
@@ -24,18 +23,18 @@ class Preemption:
         self.requested, self.interrupted, self.training = False, False, True
         self._noted, self._pid = set(), os.getpid()
         self._previous = {sig: signal.signal(sig, self._handle) for sig in signals}
-        self.group, self.vote = None, None  # the processes' vote group; the vote in flight and its flag
+        self.group, self.vote = None, None  # the vote group; the vote in flight and its flag
 
     def _handle(self, signum, frame):
-        if os.getpid() != self._pid:  # a loader worker (forked with this handler): its process decides
+        if os.getpid() != self._pid:  # a loader worker, forked with this handler
             return
         if signum == signal.SIGINT:
             if self.interrupted:  # the second Ctrl-C: stop now, dying of SIGINT as a shell expects
                 signal.signal(signal.SIGINT, signal.SIG_DFL)
                 os.kill(os.getpid(), signal.SIGINT)
             self.interrupted = True
-        self.requested |= self.training  # once training has ended, there is nothing left to checkpoint
-        if (signum, self.training) not in self._noted:  # once, not per signal; by each rank it reached (maybe one)
+        self.requested |= self.training
+        if (signum, self.training) not in self._noted:
             self._noted.add((signum, self.training))
             note = ("stopping at the next check with a checkpoint, then exiting 75" if self.training
                     else "training has ended, so the run finishes")
@@ -45,11 +44,11 @@ class Preemption:
             os.write(2, f"{rank}{signal.Signals(signum).name}: {note}{again}\n".encode())
 
     def agreed(self, fabric) -> bool:
-        """Whether all ranks stop now, one step after a signal reached any (maybe only one): a gloo all-reduce of a
-        host flag, read a step later, never waits on the device, and every rank reads it at the same step."""
+        """Whether all ranks stop now, one step after a signal reached any: an async gloo vote on a host flag, read a
+        step later, never waits on the device."""
         if fabric.world_size == 1:
             return self.requested
-        if self.group is None:  # every rank gets here at its first step
+        if self.group is None:
             self.group = dist.new_group(backend="gloo")
         stop = False
         if self.vote is not None:
@@ -60,17 +59,16 @@ class Preemption:
         return stop
 
     def training_ended(self) -> None:
-        """From now on (test, export, teardown) a signal cannot stop the run: it has nothing left to checkpoint."""
+        """From now on a signal cannot stop the run: it has nothing left to checkpoint."""
         self.training = False
 
     def exit(self, fabric, loaders: dict, out_dir: Path, step: int, checkpoint: Path):
-        """Exits ``EXIT_PREEMPTED`` once ``checkpoint`` is saved on every rank; rank 0 first writes ``STATUS_FILE`` so
-        a wrapper knows even if a rank then fails. A rank that Lightning's launcher started waits (at most 30 s) for
-        it to exit first: the launcher SIGKILLs itself when a child exits non-zero, turning its own 75 into -9."""
+        """Rank 0 writes ``STATUS_FILE``, then every rank exits ``EXIT_PREEMPTED``; a child of Lightning's launcher
+        waits for it to exit first, as it SIGKILLs itself when a child exits non-zero."""
         if fabric.is_global_zero:
             tmp = out_dir / f".tmp-{STATUS_FILE}"
             tmp.write_text(f"preempted at step {step}, checkpoint {checkpoint}\n")
-            os.replace(tmp, out_dir / STATUS_FILE)  # a reader sees the whole file or none
+            os.replace(tmp, out_dir / STATUS_FILE)
         self.close(fabric, loaders)
         strategy = fabric.strategy
         if (fabric.local_rank > 0 and isinstance(getattr(strategy, "launcher", None), _SubprocessScriptLauncher)
@@ -82,14 +80,13 @@ class Preemption:
         raise SystemExit(EXIT_PREEMPTED)
 
     def close(self, fabric, loaders: dict, completed: Path | None = None) -> None:
-        """Ends this rank's part: workers, barrier, process group. SIGTERM and SIGUSR1 are then ignored (teardown
-        would reset a Python handler to the fatal default); Ctrl-C goes back to its previous handler. A run that
-        ``completed`` in that folder is no longer preempted: its ``STATUS_FILE`` goes."""
+        """Workers, barrier, process group, in this order, as teardown alone can abort in C++; then SIGTERM and
+        SIGUSR1 are ignored (teardown would reset a handler to the fatal default)."""
         if completed is not None and fabric.is_global_zero:
             (completed / STATUS_FILE).unlink(missing_ok=True)
         for loader in loaders.values():
             stop_workers(loader)
-        if self.vote is not None:  # the last vote, still in flight on the vote group
+        if self.vote is not None:
             self.vote[0].wait()
         end_job(fabric)
         for sig, previous in self._previous.items():

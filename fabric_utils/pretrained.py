@@ -1,6 +1,5 @@
-"""A model bigger than one device: under fsdp, fsdp2 and deepspeed_stage_3 every rank builds the task's skeleton sharded
-and empty, and rank 0 alone the pretrained model, whose values go straight into each rank's shards; elsewhere every rank
-holds the whole model anyway and builds it from the pretrained file."""
+"""A model bigger than one device: where the strategy shards, every rank builds an empty sharded skeleton and rank 0
+alone the pretrained model, whose values go into each rank's shards."""
 
 from typing import Callable
 from unittest import mock
@@ -17,18 +16,15 @@ from fabric_utils.sharding import materialize, recompute_blocks, unwrapped_name
 
 def build_model(fabric, build: Callable[[], nn.Module], build_skeleton: Callable[[], nn.Module] | None,
                 pretrained: bool, grad_checkpointing: bool = False) -> tuple[nn.Module, Callable[[], nn.Module] | None]:
-    """The model to set up (recomputing its blocks' activations with ``grad_checkpointing``), and what
-    ``load_pretrained`` loads into it once sharded: rank 0's pretrained builder, or None where the model has its values
-    (built whole, ZeRO-3's partitions filled here) or a resume's checkpoint will."""
+    """The model to set up, and what ``load_pretrained`` loads into it once sharded (None: nothing)."""
     model, source = _build(fabric, build, build_skeleton, pretrained)
     if grad_checkpointing and not strategy.checkpoints_blocks(fabric):
-        recompute_blocks(model)  # FSDP and FSDP2 recompute the blocks they shard themselves
+        recompute_blocks(model)
     return model, source
 
 
 def _build(fabric, build, build_skeleton, pretrained: bool):
-    """``build_model``'s model and source. Every way, the pretrained model (fresh head, adapters) and then training
-    draw the same random numbers."""
+    """``build_model``'s model and source; every way, the build and then training draw the same random numbers."""
     rng = torch.random.get_rng_state()
 
     def source() -> nn.Module:
@@ -41,7 +37,7 @@ def _build(fabric, build, build_skeleton, pretrained: bool):
         return source(), None
     with torch.random.fork_rng(devices=[]):
         if strategy.uses_zero3(fabric):
-            with fabric.init_module(empty_init=True):  # deepspeed.zero.Init: partitioned as created
+            with fabric.init_module(empty_init=True):  # partitioned as created
                 model = build_skeleton()
             if pretrained:
                 load_zero3(model, source() if fabric.global_rank == 0 else None)
@@ -58,8 +54,7 @@ def _build(fabric, build, build_skeleton, pretrained: bool):
 
 
 def parameters_on_meta():
-    """Every parameter made inside is on the meta device, as in accelerate's ``init_empty_weights``; buffers stay
-    real, since the non-persistent ones (position ids, rotary tables) get their values from the build alone."""
+    """Parameters made inside go on the meta device, buffers stay real: the build alone gives non-persistent ones."""
     register = nn.Module.register_parameter
 
     def register_on_meta(module, name, param):
@@ -71,8 +66,8 @@ def parameters_on_meta():
 
 
 def load_pretrained(fabric, model, source: Callable[[], nn.Module]) -> None:
-    """The pretrained values from rank 0 into the set-up fsdp or fsdp2 ``model``'s shards, in the shards' dtype."""
-    module = model._forward_module  # under fsdp the root unit, which must gather first
+    """The pretrained values from rank 0 into the set-up fsdp or fsdp2 ``model``'s shards."""
+    module = model._forward_module
     found = source() if fabric.global_rank == 0 else None
     if strategy.uses_fsdp2(fabric):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
@@ -83,8 +78,7 @@ def load_pretrained(fabric, model, source: Callable[[], nn.Module]) -> None:
 
 
 def load_fsdp(module: nn.Module, source: nn.Module | None) -> None:
-    """One FSDP1 unit at a time, the root first (the first to gather becomes the root): the unit's own parameters
-    gathered whole, filled from rank 0, and each rank keeps its shard of them."""
+    """One FSDP unit's own parameters at a time, the root first (the first to gather becomes the root)."""
     found = source_values(source)
     for prefix, unit in module.named_modules():
         if not isinstance(unit, FSDP):
@@ -100,8 +94,7 @@ def load_fsdp(module: nn.Module, source: nn.Module | None) -> None:
 
 
 def load_zero3(model: nn.Module, source: nn.Module | None) -> None:
-    """One module's parameters gathered whole at a time, filled from rank 0 and partitioned again, before set-up, where
-    DeepSpeed makes its fp32 master weights of them."""
+    """One module's parameters gathered at a time, before set-up makes fp32 master weights of them."""
     import deepspeed
 
     found = source_values(source)
@@ -116,8 +109,7 @@ def load_zero3(model: nn.Module, source: nn.Module | None) -> None:
 
 
 def source_values(source: nn.Module | None) -> dict[str, torch.Tensor] | None:
-    """Every parameter and buffer by each of its names (tied ones too), the non-persistent buffers too; None off rank
-    0."""
+    """Every parameter and buffer by each of its names (tied ones too), non-persistent ones too; None off rank 0."""
     return None if source is None else {**dict(source.named_parameters(remove_duplicate=False)),
                                         **dict(source.named_buffers(remove_duplicate=False))}
 

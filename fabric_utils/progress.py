@@ -1,5 +1,4 @@
-"""What a run prints and measures as it trains: the job's first process prints, a bar on a terminal or plain lines in a
-log, no library noise; the loss, metrics and throughput go to the loggers."""
+"""What a run prints and measures as it trains: rank 0 prints, a bar on a terminal or lines in a log."""
 
 import contextlib
 import datetime
@@ -28,22 +27,19 @@ def say(*lines: str) -> None:
 
 def silence_libraries() -> None:
     """Drops what the libraries print on every process and a run does not need (``--verbose`` keeps it)."""
-    for name in ("lightning.fabric", "lightning.pytorch"):  # the latter's logger takes Fabric's notes once imported
+    for name in ("lightning.fabric", "lightning.pytorch"):
         logging.getLogger(name).setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", message="The `srun` command is available",
                             module="lightning.fabric.plugins.environments.slurm")
     warnings.filterwarnings("ignore", message="torch.distributed.nn.functional.all_gather is deprecated",
                             module="lightning.fabric.utilities.distributed")
-    # torchao (fp8-mixed), which transformers imports wherever it is installed, lists the kernels this torch cannot
-    # load, and registers types in a way torch calls deprecated
+    # torchao, which transformers imports where installed, lists kernels it cannot load; _pytree, its deprecations
     logging.getLogger("torchao").setLevel(logging.ERROR)
     logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
-    # DeepSpeed (imported by transformers' save_pretrained through accelerate) guesses the accelerator aloud
     logging.getLogger("DeepSpeed").addFilter(lambda record: "Setting accelerator to" not in record.getMessage())
 
 
 def header(fabric, config, spec, max_steps: int, steps_per_epoch: int, out_dir, threads: str, rule: tuple) -> str:
-    """What the run is about to do, in four lines."""
     splits = ", ".join(f"{len(rows):,} {name}" for name, rows in spec.datasets.items())
     devices, nodes = fabric.world_size, getattr(fabric.strategy, "num_nodes", 1)
     return "\n".join([
@@ -61,13 +57,12 @@ def header(fabric, config, spec, max_steps: int, steps_per_epoch: int, out_dir, 
 
 
 def shows_bars(fabric, quiet: bool, verbose: bool) -> bool:
-    """Whether this process draws progress bars (training's, and the libraries' own): the first, on a terminal."""
+    """Whether this process draws progress bars, training's and the libraries': rank 0, on a terminal."""
     return fabric.is_global_zero and not quiet and (verbose or sys.stderr.isatty())
 
 
 def counted(fabric, batches, name: str, every_s: float = 30.0):
-    """Yields ``batches`` (an evaluation's), shown on global rank 0: a bar on a terminal, else a line at most every
-    ``every_s`` seconds with the batches done and the time left, so a long evaluation is never silent in a log."""
+    """Yields ``batches``, shown on rank 0: a bar on a terminal, else a line every ``every_s`` seconds."""
     if not fabric.is_global_zero:
         yield from batches
         return
@@ -85,62 +80,57 @@ def counted(fabric, batches, name: str, every_s: float = 30.0):
             last = now
 
 
-# a run has not learned if its validation loss ends above 99% of chance level and its training loss has not left
-# it either: above 95%, looser, as a run that stalled still fits its own rows a little
+# fractions of chance level a run stays above if it has not learned (a stalled run still fits its own rows a little)
 STUCK_WITHIN = {"validation": 0.99, "train": 0.95}
 
 
 def last_quarter_mean(losses: list[float]) -> float:
-    """The mean of the last quarter of ``losses`` (the last one at least)."""
     last_quarter = losses[-max(1, len(losses) // 4):]
     return sum(last_quarter) / len(last_quarter)
 
 
 def at_chance(train_losses: list[float], val_loss: float, chance_loss: dict[str, float]) -> bool:
-    """Whether a finished run has not learned: the mean of the last quarter of its logged training losses and its
-    final validation loss are both at chance level (``chance_loss``'s "train" and "validation"). A mean, as one log
-    step's loss can dip below it by chance; validation too, as a run that learned a little can keep its training
-    loss there."""
+    """Whether a finished run has not learned: its last quarter's mean training loss and its validation loss are both
+    at chance (one log step's loss can dip by chance; a run that learned a little can keep its training loss there)."""
     return (last_quarter_mean(train_losses) >= STUCK_WITHIN["train"] * chance_loss["train"]
             and val_loss >= STUCK_WITHIN["validation"] * chance_loss["validation"])
 
 
 class Progress:
-    """Training loss and metrics since the last log step, summed on the device so that only log steps sync; logged,
-    and shown on rank 0 with the step, epoch, rate and time left."""
+    """Training loss and metrics since the last log step, summed on the device so that only log steps sync."""
 
     def __init__(self, fabric, total_steps: int, quiet: bool, metrics, steps_per_epoch: int | None = None,
                  rows_per_step: int | None = None, start_step: int = 0, chance_loss: dict[str, float] | None = None,
                  losses: list[float] | None = None):
         self.fabric = fabric
-        # the logged losses, for the stuck-at-chance check: ``losses`` (a checkpoint's, appended to in place) or new
+        # the logged losses for the stuck-at-chance check: a checkpoint's, appended to in place, or new
         self.chance_loss, self.losses = chance_loss, [] if losses is None else losses
-        self.metrics = metrics.to(fabric.device)  # a torchmetrics collection; compute() sums over ranks
+        self.metrics = metrics.to(fabric.device)
         self.sums = torch.zeros(2, device=fabric.device)  # the loss times its rows, and the rows
         self.skips_overflow = fabric.strategy.precision.precision == "16-mixed"
         self.enabled = fabric.is_global_zero and not quiet
         self.total, self.rows_per_step = total_steps, rows_per_step
         self.steps_per_epoch = steps_per_epoch or total_steps
         self.start_step, self.step, self.start_time = start_step, start_step, time.monotonic()
-        on_terminal = self.enabled and sys.stdout.isatty()  # where the log lines would go: a log file gets lines
+        on_terminal = self.enabled and sys.stdout.isatty()
         self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True,
                         file=sys.stdout) if on_terminal else None
 
     def update(self, loss: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor) -> None:
         loss = loss.detach().float()
-        if self.skips_overflow:  # the scaler skips the step of a loss that overflowed: leave that loss out too
+        if self.skips_overflow:  # the scaler skips an overflowed loss's step: leave the loss out too
             finite = torch.isfinite(loss)
             self.sums[0] += torch.where(finite, loss, 0.0) * len(labels)
             self.sums[1] += finite * len(labels)
-        else:  # no mask to build in the hot loop where nothing skips a step
+        else:
             self.sums[0] += loss * len(labels)
             self.sums[1] += len(labels)
         self.metrics.update(logits.detach(), labels)
 
     def log(self, step: int, lr: float) -> dict:
         """Loss and metrics since the last log, the same on every rank so that a check on them stops all together."""
-        loss_sum, rows = self.fabric.all_reduce(self.sums, reduce_op="sum").tolist()  # sync: log steps only
-        computed = {f"train/{k}": v.item() for k, v in self.metrics.compute().items()}  # sync: log steps only
+        loss_sum, rows = self.fabric.all_reduce(self.sums, reduce_op="sum").tolist()
+        computed = {f"train/{k}": v.item() for k, v in self.metrics.compute().items()}
         logged = {"train/loss": loss_sum / rows if rows else float("nan"), **computed, "lr": lr}
         self.fabric.log_dict(logged, step=step)
         self.sums.zero_()
@@ -150,9 +140,8 @@ class Progress:
         return logged
 
     def log_step(self, step: int, lr: float, max_lr: float, throughput: "Throughput") -> None:
-        """``log``, ``throughput``'s rates and MFU to the loggers, and ``show``: a log step's syncs, all here."""
+        """``log``, ``throughput``'s rates and ``show``: a log step's syncs, all here."""
         logged = self.log(step, lr)
-        # the same loss on every rank, so all stop together; non-finite: diverged (16-mixed's overflows left out)
         if not math.isfinite(logged["train/loss"]):
             raise UserError(f"the training loss became {logged['train/loss']} by step {step}: lower --lr (now "
                             f"{max_lr}), keep --grad-clip on, or use --precision bf16-mixed/32-true")
@@ -160,14 +149,12 @@ class Progress:
         self.show()
 
     def stuck_at_chance(self, val_loss: float) -> bool:
-        """True at the last step if the run has not learned (``at_chance``): at the end, as some runs leave chance
-        late."""
+        """At the last step (some runs leave chance late), whether the run has not learned."""
         if self.chance_loss is None or self.step < self.total:
             return False
         return at_chance(self.losses, val_loss, self.chance_loss)
 
     def warn_if_stuck(self, val_loss: float, step: int, max_lr: float) -> None:
-        """At the run's end: one line if its training and validation losses are where ignoring the inputs is."""
         if self.stuck_at_chance(val_loss):
             chance = self.chance_loss
             say(f"the training loss stayed at chance level ({chance['train']:.3g}, or just under: what a model that "
@@ -176,13 +163,13 @@ class Progress:
                 f"a lower --lr (now {max_lr:g}) if the loss jumped there at once, else a higher one or more --epochs")
 
     def show(self) -> None:
-        """The last logged step: the bar's numbers, or one line ``step 40/120 (epoch 1/3): loss 0.41, ... left``."""
+        """The last logged step: the bar's numbers, or a line ``step 40/120 (epoch 1/3): loss 0.41, ... left``."""
         if not self.enabled:
             return
         shown = {name.removeprefix("train/"): f"{value:.4g}" for name, value in self.logged.items()}
         epochs = -(-self.total // self.steps_per_epoch)
         epoch = f"epoch {min((self.step - 1) // self.steps_per_epoch + 1, epochs)}/{epochs}"
-        if self.bar is not None:  # tqdm shows the rate and the time left itself
+        if self.bar is not None:
             self.bar.set_description(epoch, refresh=False)
             self.bar.update(self.step - self.bar.n)
             self.bar.set_postfix(shown, refresh=True)
@@ -196,7 +183,7 @@ class Progress:
         print(f"step {self.step}/{self.total} ({epoch}): " + ", ".join(parts), flush=True)
 
     def note(self, line: str) -> None:
-        """A line between log steps (a validation result), printed above the bar where there is one."""
+        """A line between log steps, above the bar where there is one."""
         if self.bar is not None:
             self.bar.write(line)
         elif self.enabled:
@@ -208,27 +195,26 @@ class Progress:
 
 
 class Throughput:
-    """Rows, sizes and FLOPs counted on the host from batches before they move (no device read), for
-    ``ThroughputMonitor`` and ``stop()``, with torch.compile's recompiles after warm-up; the clock leaves out
-    ``paused()`` time (validation, checkpoints), so figures compare across validation settings."""
+    """Rows, sizes and FLOPs counted on the host (no device read) for Fabric's ``ThroughputMonitor``, over training
+    time alone (``paused()`` leaves validation and checkpoints out)."""
 
     def __init__(self, fabric, peak_tflops: float | None, flops_of: Callable[[int, int, int], float] | None,
                  sized: bool):
         self.fabric, self.flops_of, self.sized = fabric, flops_of, sized
         self.monitor = ThroughputMonitor(fabric, window_size=5)
-        if peak_tflops:  # Fabric knows the peak of common GPUs, not of CPUs nor of every GPU (H200)
+        if peak_tflops:  # Fabric knows common GPUs' only
             self.monitor.available_flops = peak_tflops * 1e12
         self.counts = torch.zeros(3, dtype=torch.int64)  # rows, sizes, sum of sizes², on the host
         self.flops_logged = 0.0
 
     def start(self, step: int) -> None:
-        if self.fabric.device.type == "cuda":  # a CPU process's peak resident memory cannot be reset
-            torch.cuda.reset_peak_memory_stats(self.fabric.device)  # not the batch-size finder's or warm-up's peak
+        if self.fabric.device.type == "cuda":  # not the batch-size finder's or warm-up's peak
+            torch.cuda.reset_peak_memory_stats(self.fabric.device)
         self.start_time, self.start_step, self.paused_s = time.perf_counter(), step, 0.0
         self.graphs_at_start = dynamo_counters["stats"]["unique_graphs"]
 
     def recompiles(self) -> int:
-        """Graphs torch.compile built since ``start()`` (after warm-up): each a stall, none where shapes repeat."""
+        """Graphs torch.compile built since ``start()``, after warm-up: each a stall."""
         return dynamo_counters["stats"]["unique_graphs"] - self.graphs_at_start
 
     @contextlib.contextmanager
@@ -243,29 +229,28 @@ class Throughput:
         return time.perf_counter() - self.start_time - self.paused_s
 
     def count(self, rows: int, sizes: torch.Tensor | None) -> None:
-        """``rows`` is a Python int (the batch's shape); ``sizes`` each row's on the host, where the task gives them."""
+        """``sizes``: each row's, on the host, where the task gives them."""
         if sizes is None:
             self.counts[0] += rows
         else:
             self.counts += torch.stack((torch.ones_like(sizes).sum(), sizes.sum(), (sizes * sizes).sum()))
 
     def log(self, step: int) -> dict:
-        rows, tokens, tokens_sq = self.counts.tolist()  # host sums: no device read
+        rows, tokens, tokens_sq = self.counts.tolist()
         flops = self.flops_of(rows, tokens, tokens_sq) if self.flops_of else None
         self.monitor.update(time=self.seconds(), batches=step - self.start_step, samples=rows,
                             lengths=tokens if self.sized else None,  # it takes FLOPs since its last update
                             flops=None if flops is None else flops - self.flops_logged)
         self.flops_logged = flops
-        if dynamo_counters["stats"]["unique_graphs"]:  # a compiled model
+        if dynamo_counters["stats"]["unique_graphs"]:
             self.fabric.log("compile/recompiles", self.recompiles(), step=step)
         return self.monitor.compute_and_log(step=step)
 
     def stop(self) -> dict:
-        """Over all ranks: seconds, rows/s, sizes/s (tokens/s; with sizes only), MFU (None: peak unknown)."""
+        """Over all ranks: seconds, rows/s, tokens/s (with sizes), MFU (None: peak unknown)."""
         seconds, peak = self.seconds(), self.monitor.available_flops
         counts = self.counts.double().to(self.fabric.device)
         rows, tokens, tokens_sq = self.fabric.all_reduce(counts, reduce_op="sum").tolist()
-        # linear in the sums: the job's FLOPs from the job's sums
         flops = self.flops_of(rows, tokens, tokens_sq) if self.flops_of else None
         return {"train_time_s": seconds, "train_samples_per_s": rows / seconds,
                 **({"train_tokens_per_s": tokens / seconds} if self.sized else {}),

@@ -25,15 +25,13 @@ LOCK_FILE = ".lock"
 
 
 RUN_FILES = ("config.yaml", "results.json", "checkpoints", "logs")  # what marks a folder as a run's
-KEPT = ("results.json", "checkpoints")  # what a run that failed without them leaves nothing worth keeping beside
+KEPT = ("results.json", "checkpoints")  # what makes a failed run's folder worth keeping
 
 
 def prepare_out_dir(out_dir: str | None, resume: str | None) -> tuple[Path, bool]:
-    """The run folder this process proposes, and whether a failed start may remove it: ``--out-dir``, made now so a bad
-    one fails before any process starts, else ``runs/<time>`` (in the environment, for the processes Fabric starts),
-    made once the job agrees on rank 0's. A folder holding a run's results or checkpoints takes only ``--resume``: two
-    runs' files would mix; one holding anything else is refused, as a run writes files there a user's could share
-    names with."""
+    """The run folder this process proposes, and whether a failed start may remove it: ``--out-dir``, checked now,
+    else ``runs/<time>`` (in the environment, for the processes Fabric starts). A run's folder takes only
+    ``--resume``; one holding files not a run's is refused."""
     if out_dir is None:
         path = Path(os.environ.setdefault(RUN_DIR_ENV, f"runs/{datetime.now():%Y%m%d-%H%M%S}"))
         check_writable(path.parent)
@@ -53,8 +51,7 @@ def prepare_out_dir(out_dir: str | None, resume: str | None) -> tuple[Path, bool
 
 @contextlib.contextmanager
 def proposed_run_folder(out_dir: str | None, resume: str | None, temporary: bool = False):
-    """``prepare_out_dir``'s folder, removed after a failed start that made it; ``temporary`` (--fast-dev-run): a new
-    folder for this process and those it starts, removed at the end by the process that made it."""
+    """``prepare_out_dir``'s folder, removed after a failed start that made it; ``temporary``: removed at the end."""
     made = None
     if temporary and RUN_DIR_ENV not in os.environ:
         made = os.environ[RUN_DIR_ENV] = tempfile.mkdtemp(prefix="fabric-template-check-")
@@ -81,8 +78,7 @@ def check_writable(folder: Path) -> None:
 
 @contextlib.contextmanager
 def locked_run_folder(fabric, proposed: Path):
-    """The job's one run folder (rank 0's proposal), locked by rank 0 for the run's life: one run per folder. The OS
-    drops the lock with its process, so a killed run (``kill -9``, a lost node) never blocks its own ``--resume``."""
+    """Rank 0's proposed folder, locked by rank 0 for the run's life; the OS drops the lock with a killed process."""
     out_dir = Path(fabric.broadcast(str(proposed)))
     path, lock = out_dir / LOCK_FILE, None
     if fabric.is_global_zero:
@@ -99,8 +95,7 @@ def locked_run_folder(fabric, proposed: Path):
 
 
 def _lock(path: Path):
-    """``path`` opened and locked, or None where another process holds the lock; again on a new file if a run that
-    just ended removed this one (its lock would guard nothing)."""
+    """``path`` opened and locked, or None where another process holds it; again if a run just ended removed it."""
     while True:
         lock = open(path, "a")
         try:
@@ -115,14 +110,13 @@ def _lock(path: Path):
 
 
 def remove_if_unused(path: Path) -> None:
-    """Removes a run folder this start made if it holds no checkpoint and no results: what a failed start leaves
-    (its config, logs), which would only stand in the way of the same command run again."""
+    """Removes a failed start's folder unless it holds checkpoints or results: it would block the same command."""
     if path.is_dir() and not any((path / name).exists() for name in KEPT):
         shutil.rmtree(path)
 
 
 def package_version(name: str) -> str | None:
-    """Read from the installed metadata, without importing (deepspeed's import alone probes for CUDA)."""
+    """Without importing it (deepspeed's import probes for CUDA)."""
     with contextlib.suppress(importlib.metadata.PackageNotFoundError):
         return importlib.metadata.version(name)
     return None
@@ -150,9 +144,8 @@ def _cpu_model() -> str:
 
 
 def save_config(fabric, args, out_dir: Path, environment: dict, resumed_at: int | None = None) -> None:
-    """The resolved flags as ``config.yaml`` (``--config`` reruns it) and ``environment`` as ``environment.json``; a
-    resumed segment's named ``-resumed-at-step-N``, so the run's first ones are never overwritten. Then starts the
-    tracked runs (MLflow, W&B) and keeps their ids for a resume (``save_tracker_ids``)."""
+    """``config.yaml`` (``--config`` reruns it) and ``environment.json``, a resume's named ``-resumed-at-step-N``;
+    then starts the tracked runs (``save_tracker_ids``)."""
     if fabric.is_global_zero:
         segment = "" if resumed_at is None else f"-resumed-at-step-{resumed_at:06d}"
         (out_dir / f"config{segment}.yaml").write_text(yaml.safe_dump(vars(args), sort_keys=False))
@@ -161,8 +154,7 @@ def save_config(fabric, args, out_dir: Path, environment: dict, resumed_at: int 
 
 
 def write_predictions(path: Path, columns: dict) -> None:
-    """``columns`` (name -> a tensor or a list, a row each) as CSV; a vector (a value per label) as one
-    space-separated cell."""
+    """``columns`` (name -> a tensor or a list, a row each) as CSV; a vector as one space-separated cell."""
     cells = [column.tolist() if isinstance(column, torch.Tensor) else column for column in columns.values()]
     with open(path, "w", newline="") as f:
         writer = csv.writer(f)

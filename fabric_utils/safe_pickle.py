@@ -1,7 +1,5 @@
-"""Checkpoint files read without running code. Torch distributed checkpoint reads its ``.metadata`` and non-tensor
-values, and DeepSpeed its model and optimizer files, with a plain unpickler, which runs whatever a file names. So
-before any of them loads, every pickle in a checkpoint folder is unpickled here under an allow-list of the classes
-its format needs; one that needs anything else is refused, naming the file and the class."""
+"""Checkpoint files checked without running code: torch distributed checkpoint and DeepSpeed load with a plain
+unpickler, so every pickle is first unpickled here under an allow-list of the classes its format needs."""
 
 import io
 import pickle
@@ -12,15 +10,14 @@ import torch
 
 from fabric_utils.errors import UserError, first_line
 
-# what no library reads as a pickle: the record and manifest, DeepSpeed's tag file and the scripts it copies beside its
-# shards (nothing runs them); and the RNG files, which each rank reads with ``load_torch_file`` itself, to name itself
+# not read as pickles (the RNG files: each rank checks its own, to name itself)
 UNCHECKED = re.compile(r"(.*\.json|latest|zero_to_(fp32|torch)\.py|rng-rank\d+\.pt)$")
 DEEPSPEED_FILES = re.compile(r".*_(model|optim)_states\.pt$")
 DCP_METADATA, DCP_DATA = ".metadata", ".distcp"
 
 
 def _dcp_classes() -> list:
-    """What torch distributed checkpoint's ``.metadata`` holds: its dataclasses, sizes, dtypes and layouts."""
+    """What torch distributed checkpoint's ``.metadata`` holds."""
     from torch.distributed.checkpoint import filesystem, metadata
 
     return [metadata.Metadata, metadata.MetadataIndex, metadata.StorageMeta, metadata.TensorProperties,
@@ -30,12 +27,12 @@ def _dcp_classes() -> list:
 
 
 def _deepspeed_classes() -> list:
-    """What DeepSpeed's model and ZeRO files hold beside tensors: its enums and the parameter's shape descriptions."""
+    """What DeepSpeed's model and ZeRO files hold beside tensors."""
     try:
         from deepspeed.runtime.fp16.loss_scaler import LossScaler, DynamicLossScaler
         from deepspeed.runtime.zero.config import ZeroStageEnum
         from deepspeed.utils.tensor_fragment import fragment_address
-    except ImportError:  # not installed: no DeepSpeed checkpoint can be resumed anyway
+    except ImportError:  # then no DeepSpeed checkpoint can be resumed anyway
         return []
     return [ZeroStageEnum, fragment_address, LossScaler, DynamicLossScaler]
 
@@ -43,9 +40,9 @@ def _deepspeed_classes() -> list:
 class _Restricted(pickle.Unpickler):
     """The standard library's way to unpickle untrusted bytes: ``find_class`` resolves only allowed names."""
 
-    def __init__(self, file, classes: dict):
+    def __init__(self, file, classes: list):
         super().__init__(file)
-        self.classes = classes
+        self.classes = {f"{c.__module__}.{c.__qualname__}": c for c in classes}
 
     def find_class(self, module: str, name: str):
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
@@ -53,10 +50,6 @@ class _Restricted(pickle.Unpickler):
         if (found := self.classes.get(f"{module}.{name}")) is not None:
             return found
         raise pickle.UnpicklingError(f"GLOBAL {module}.{name} is not allowed")
-
-
-def _names(classes: list) -> dict:
-    return {f"{c.__module__}.{c.__qualname__}": c for c in classes}
 
 
 def _refuse(path: Path, err: Exception) -> UserError:
@@ -70,7 +63,7 @@ def _refuse(path: Path, err: Exception) -> UserError:
 def load_torch_file(path: Path, data: bytes | None = None, classes: tuple = ()):
     """``path`` (or ``data``, a value in it) loaded under ``weights_only``, with ``classes`` allowed beside torch's."""
     with torch.serialization.safe_globals(list(classes)):
-        try:  # memory-mapped: the tensors' bytes are read only when used
+        try:
             return torch.load(io.BytesIO(data) if data is not None else path, map_location="cpu", weights_only=True,
                               mmap=data is None)
         except Exception as err:
@@ -78,13 +71,12 @@ def load_torch_file(path: Path, data: bytes | None = None, classes: tuple = ()):
 
 
 def check_dcp_metadata(path: Path):
-    """A distributed checkpoint's ``.metadata`` unpickled with its classes only; then each non-tensor value it points
-    to (torch distributed checkpoint loads those with ``weights_only=False``)."""
+    """A distributed checkpoint's ``.metadata``, then each non-tensor value it points to."""
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
     try:
         with open(path, "rb") as f:
-            metadata = _Restricted(f, _names(_dcp_classes())).load()
+            metadata = _Restricted(f, _dcp_classes()).load()
         storage = metadata.storage_data
         values = [index for index in storage
                   if isinstance(metadata.state_dict_metadata.get(index.fqn), BytesStorageMetadata)]
@@ -108,7 +100,7 @@ def check_dcp_metadata(path: Path):
 def check_folder(folder: Path) -> None:
     """Refuses (one line naming the file and the class) a checkpoint folder with a pickle outside the allow-list."""
     for path in sorted(p for p in folder.rglob("*") if p.is_file()):
-        if UNCHECKED.match(path.name) or path.suffix == DCP_DATA:  # a .distcp's values: through its .metadata
+        if UNCHECKED.match(path.name) or path.suffix == DCP_DATA:  # checked through .metadata
             continue
         if path.name == DCP_METADATA:
             check_dcp_metadata(path)

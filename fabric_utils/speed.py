@@ -1,7 +1,5 @@
-"""Speed helpers the loop calls: worker counts, FLOP counting for MFU, compile warm-up, peak memory, and
-``--precision fp8-mixed``: torchao's float8 training (optional, requirements-dev.txt). Its Linear layers of the model's
-repeated blocks compute their matrix products in float8 (torchao's default recipe: e4m3 forward, e5m2 gradients, one
-dynamic scale per tensor) and keep fp32 weights; Fabric runs everything else in bf16-mixed autocast."""
+"""Speed: worker counts, FLOPs for MFU, torch.compile and its warm-up, peak memory, and ``--precision fp8-mixed``
+(torchao's float8 matrix products in the model's blocks, the rest in Fabric's bf16-mixed)."""
 
 import contextlib
 import copy
@@ -28,8 +26,7 @@ from fabric_utils.threads import processes_sharing
 
 
 def default_num_workers(fabric) -> int:
-    """Workers only collate (tokenization is done ahead): none on a CPU device, whose cores the model uses; on GPUs up
-    to 4, Lightning's suggestion for the processes sharing this one's CPUs (SLURM binds each task to its own)."""
+    """Workers only collate: none on a CPU device, whose cores the model uses; else Lightning's suggestion, up to 4."""
     if fabric.device.type == "cpu":
         return 0
     return min(4, suggested_max_num_workers(processes_sharing(fabric, os.sched_getaffinity(0))))
@@ -38,15 +35,13 @@ def default_num_workers(fabric) -> int:
 def training_flops_fn(model: torch.nn.Module, loss_fn: Callable[[torch.nn.Module, dict], torch.Tensor],
                       example_batch: Callable[[int | None], dict],
                       max_size: int | None) -> Callable[[int, int, int], float] | None:
-    """``flops(rows, sizes, sizes_sq)``: forward and backward FLOPs from the rows' count, sizes and squared sizes, a
-    quadratic (linear layers + attention) fitted to ``loss_fn(model, example_batch(size))`` counted at three sizes on
-    a copy of fake tensors (no memory; transformers skips its checks of the inputs' values on them). A model whose
-    forward reads its inputs' values (T5's and BART's heads find each row's end token) cannot run there: then 6 x its
-    matrix weights x tokens, attention left out, or None (MFU unknown) where rows have no sizes; one line says which."""
+    """``flops(rows, sizes, sizes_sq)``: a training step's FLOPs, a quadratic in the row size (linear layers +
+    attention) fitted to counts at three sizes on fake tensors; where a forward reads its inputs' values, which fake
+    tensors lack, 6 x matrix weights x tokens, or None without sizes."""
     points = [None] if max_size is None else sorted({max(max_size // 4, 1), max(max_size // 2, 2), max_size})
     try:
         measured = count_flops(model, loss_fn, [example_batch(size) for size in points])
-    except Exception as err:  # whatever stops the count: it only feeds MFU, which must not stop the run
+    except Exception as err:  # it only feeds MFU, which must not stop the run
         reason = f"counting FLOPs on fake tensors failed ({type(err).__name__}: {first_line(err)})"
         if max_size is None:
             say(f"MFU unknown: {reason}")
@@ -63,7 +58,7 @@ def training_flops_fn(model: torch.nn.Module, loss_fn: Callable[[torch.nn.Module
 
 def count_flops(model: torch.nn.Module, loss_fn: Callable[[torch.nn.Module, dict], torch.Tensor],
                 batches: list) -> list[int]:
-    """Fabric's ``measure_flops`` of one forward and backward of each batch, on one fake copy of ``model``."""
+    """Fabric's ``measure_flops`` of a forward and backward of each batch, on a fake copy of ``model``."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     on_fake = fake_copy(model, mode)
     measured = []
@@ -75,7 +70,7 @@ def count_flops(model: torch.nn.Module, loss_fn: Callable[[torch.nn.Module, dict
 
 
 def fake_copy(module: torch.nn.Module, mode: FakeTensorMode) -> torch.nn.Module:
-    """``module`` of fake tensors, no weight copied (ZeRO-3's empty partitions keep their shape in ``ds_shape``)."""
+    """``module`` of fake tensors, no weight copied."""
     memo = {}
     for tensor in [*module.parameters(), *module.buffers()]:
         fake = mode.from_tensor(torch.empty(full_shape(tensor), dtype=tensor.dtype, device="meta"))
@@ -85,7 +80,7 @@ def fake_copy(module: torch.nn.Module, mode: FakeTensorMode) -> torch.nn.Module:
 
 
 def matrix_weights(model: torch.nn.Module):
-    """(name, weight) of every matrix that multiplies activations: 2-D and more, embedding tables left out."""
+    """(name, weight) of every matrix that multiplies activations, embedding tables left out."""
     tables = {id(module.weight) for module in model.modules() if isinstance(module, torch.nn.Embedding)}
     return [(name, param) for name, param in model.named_parameters()
             if len(full_shape(param)) >= 2 and id(param) not in tables]
@@ -93,11 +88,8 @@ def matrix_weights(model: torch.nn.Module):
 
 def compile_model(model: torch.nn.Module, mode: str = "default", cuda_graphs: bool = False,
                   **kwargs) -> torch.nn.Module:
-    """torch.compile for batches of a few shapes: dynamic, so one graph takes every length (a graph per length would
-    compile each bucket, past dynamo's cache of 8; reduce-overhead still captures a CUDA graph per shape), with sizes
-    never tied to each other (16 rows of 16 tokens would tie rows to length, and the next batch recompile). Mode
-    ``default`` is reduce-overhead where ``cuda_graphs`` (one CUDA device or DDP): CUDA graphs launch a step's
-    hundreds of kernels at once."""
+    """torch.compile, dynamic so one graph takes every length, sizes never tied (16 rows of 16 tokens would recompile
+    the next batch); ``default`` is reduce-overhead (CUDA graphs) where ``cuda_graphs``."""
     if mode == "default" and cuda_graphs:
         mode = "reduce-overhead"
     shape_config.use_duck_shape = False
@@ -105,16 +97,14 @@ def compile_model(model: torch.nn.Module, mode: str = "default", cuda_graphs: bo
 
 
 def batch_kinds(batches: Iterable[dict], look_at: int = 50) -> list[dict]:
-    """One batch of each kind (set of inputs: a text batch with padding carries a mask, one without none, and each
-    takes its own compiled graph) among the first ``look_at`` of ``batches``, the later one of a kind kept."""
+    """One batch of each set of inputs (each takes its own compiled graph) among the first ``look_at``."""
     return list({frozenset(batch): batch for batch in itertools.islice(batches, look_at)}.values())
 
 
 def warm_up(fabric, model, optimizer, batches: list[dict],
             loss_fn: Callable[[torch.nn.Module, dict], torch.Tensor]) -> None:
-    """Compiles the training and evaluation graphs of each kind of batch (``batch_kinds``) before the clock starts.
-    The gradients are dropped, so the first step is untouched, by the optimizer's ``zero_grad``: ZeRO-3 keeps them in
-    shards only it clears."""
+    """Compiles the training and evaluation graphs of each kind of batch before the clock starts; the optimizer drops
+    the gradients (ZeRO-3's shards only it clears)."""
     for batch in batches:
         fabric.backward(loss_fn(model, batch))
         optimizer.zero_grad(set_to_none=True)
@@ -126,30 +116,28 @@ def warm_up(fabric, model, optimizer, batches: list[dict],
 
 
 def peak_memory_mb(device: torch.device) -> float:
-    """Peak device memory on CUDA; peak resident memory of this process on CPU: Linux's VmHWM, since ``ru_maxrss``
-    starts at the parent's peak in a process started by exec (a rank launched from a large process would report it)."""
+    """Peak device memory; on CPU this process's VmHWM, as ``ru_maxrss`` starts at the parent's peak after exec."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
     with contextlib.suppress(OSError):
         for line in Path("/proc/self/status").read_text().splitlines():
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) / 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # no /proc (macOS): counted in bytes there
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # macOS: bytes
 
 
 def peak_memory_per_rank(fabric) -> list[float]:
-    """Every rank's ``peak_memory_mb``, in rank order: sharding is judged by what each rank holds, not rank 0."""
+    """Every rank's ``peak_memory_mb``: sharding is judged by what each rank holds."""
     peak = torch.tensor([peak_memory_mb(fabric.device)], dtype=torch.float64, device=fabric.device)
     return fabric.all_gather(peak).flatten().tolist()
 
 
-# one device and the strategies torchao's float8 training composes with, ddp and fsdp2; not FSDP1's flat parameters
-# nor DeepSpeed's engine
+# where torchao's float8 training composes: not FSDP1's flat parameters nor DeepSpeed's engine
 STRATEGIES = ("auto", "ddp", "ddp_find_unused_parameters_true", FSDP2)
 
 
 def check_fp8_supported(device: torch.device, strategy: str) -> None:
-    """A one-line ``UserError`` where fp8-mixed cannot run, before any process starts."""
+    """A one-line ``UserError`` where fp8-mixed cannot run."""
     if not has_float8_matmuls(device):
         here = f"this run is on the {device.type.upper()}"
         if device.type == "cuda":
@@ -168,18 +156,16 @@ def has_float8_matmuls(device: torch.device) -> bool:
 
 
 def float8_eligible(model: nn.Module) -> set[nn.Linear]:
-    """The Linear layers inside the model's repeated blocks whose sides are multiples of 16 (float8 matrix products
-    need them). Outside the blocks a layer (a pooler, the classification head) is small or sees one token per row:
-    float8's casts would cost more than they save, and the logits keep bf16's precision."""
+    """The Linear layers in the model's blocks with sides multiples of 16; outside them (pooler, head), float8's casts
+    would cost more than they save."""
     blocks = block_classes(model, required=False)
     return {module for block in model.modules() if isinstance(block, blocks) for module in block.modules()
             if type(module) is nn.Linear and module.in_features % 16 == 0 and module.out_features % 16 == 0}
 
 
 def convert_to_float8(model: nn.Module) -> None:
-    """Swaps the eligible Linear layers for torchao's ``Float8Linear`` in place: the same parameters under the same
-    names, so checkpoints, resume and the export read and write what a bf16-mixed run does."""
-    from torchao.float8 import convert_to_float8_training  # only fp8-mixed needs torchao
+    """Swaps the eligible Linear layers for torchao's ``Float8Linear``, same parameters under the same names."""
+    from torchao.float8 import convert_to_float8_training  # optional
 
     eligible = float8_eligible(model)
     if not eligible:

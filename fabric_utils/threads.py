@@ -1,7 +1,5 @@
-"""How many threads each process computes with on the CPU: the idle CPUs it may use, shared among the node's
-processes. torch defaults to one thread per core of the machine in every process, and ``fabric run`` sets
-``OMP_NUM_THREADS`` to every CPU in each process it starts: threads beyond the free cores wait on each other at every
-parallel operation, and the job crawls."""
+"""How many CPU threads each process computes with: the idle CPUs it may use, shared among the node's processes, as
+threads beyond the free cores wait on each other (torch and ``fabric run`` give each process every core)."""
 
 import math
 import os
@@ -18,8 +16,7 @@ USER_OMP_THREADS = os.environ.get("OMP_NUM_THREADS")
 
 
 def usable_cpus(cgroup: Path = Path("/sys/fs/cgroup")) -> int:
-    """The CPUs this process may run on (its affinity: taskset, SLURM's binding), fewer where its cgroup's CPU quota
-    (``cpu.max``: a container's or a SLURM job's limit) allows less time than that."""
+    """The CPUs this process may run on, fewer where its cgroup's quota (``cpu.max``) allows less."""
     cpus = len(os.sched_getaffinity(0))
     try:
         quota, period = (cgroup / "cpu.max").read_text().split()[:2]
@@ -29,16 +26,14 @@ def usable_cpus(cgroup: Path = Path("/sys/fs/cgroup")) -> int:
 
 
 def idle_cpus(seconds: float = 0.2) -> float:
-    """How many of the CPUs this process may run on were idle over ``seconds``: another job's busy ones are taken."""
     busy = psutil.cpu_percent(interval=seconds, percpu=True)
     return sum(1 - busy[cpu] / 100 for cpu in os.sched_getaffinity(0) if cpu < len(busy))
 
 
 def choose_threads(requested: int | None, cpus: int, idle: Callable[[], float], sharing: int, user_setting: str | None,
                    launcher_sets_it: bool) -> tuple[int, str]:
-    """The thread count and why: ``--num-threads``, else ``OMP_NUM_THREADS`` where the user set it (not a launcher),
-    else the ``cpus`` this process may use that are ``idle()`` now, divided among the ``sharing`` processes of the
-    job."""
+    """The thread count and why: ``--num-threads``, else the user's ``OMP_NUM_THREADS``, else the idle ``cpus``
+    divided among the ``sharing`` processes."""
     if requested:
         return requested, "--num-threads"
     if user_setting and user_setting.isdigit() and int(user_setting) > 0 and not launcher_sets_it:
@@ -53,18 +48,17 @@ def launcher_sets_threads() -> bool:
 
 
 def set_threads(fabric, requested: int | None) -> str:
-    """Sets torch's intra-op threads (OpenMP and MKL) for this process; returns the choice, said in the header."""
+    """Sets torch's intra-op threads; returns the choice, for the header."""
     sharing = processes_sharing(fabric, os.sched_getaffinity(0))
     threads, why = choose_threads(requested, usable_cpus(), idle_cpus, sharing,
                                   USER_OMP_THREADS, launcher_sets_threads())
     torch.set_num_threads(threads)
-    os.environ["OMP_NUM_THREADS"] = str(threads)  # for the processes this one starts (loader workers, compilers)
+    os.environ["OMP_NUM_THREADS"] = str(threads)  # for the processes this one starts
     return f"{threads} thread{'s' * (threads > 1)} ({why})"
 
 
 def processes_sharing(fabric, cpus: set[int]) -> int:
-    """How many of the job's processes (this one included) run on this host with CPUs in common with ``cpus``:
-    launchers leave each process all the node's CPUs, SLURM binds each task to its own."""
+    """How many of the job's processes run on this host with CPUs in common with ``cpus``."""
     mask = torch.zeros(1 + (os.cpu_count() or 1), dtype=torch.int64)  # [host id, one flag per CPU]
     mask[0] = zlib.crc32(socket.gethostname().encode())
     mask[1 + torch.tensor(sorted(cpus))] = 1
