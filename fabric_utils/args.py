@@ -134,7 +134,8 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     g.add_argument("--num-nodes", type=int, help="number of machines")
     g.add_argument("--strategy", choices=STRATEGIES, help="how to spread the work: ddp, fsdp2, deepspeed_stage_2, ...")
     g.add_argument("--precision", choices=PRECISIONS, help="numeric precision; auto: bf16-mixed where it runs faster "
-                   f"than fp32, 16-mixed on older GPUs, else 32-true; {FP8}: float8 on H100-class GPUs (torchao)")
+                   "than fp32, 16-mixed on older GPUs (32-true under fsdp2: no loss scaler), else 32-true; "
+                   f"{FP8}: float8 on H100-class GPUs (torchao)")
 
     g = p.add_argument_group("optimization")
     g.add_argument("--epochs", type=positive_int, default=3)
