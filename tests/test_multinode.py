@@ -3,11 +3,14 @@ metrics of the same world size on one node. The nodes start a second apart with 
 cluster, and a job without --out-dir leaves one run folder in the folder both start in.
 
 `fabric run --num-nodes 2` (1 and 2 processes per node), plain `python train.py` with NODE_RANK and MASTER_ADDR, and
-torchrun's c10d rendezvous, which restarts both nodes' workers when a worker on either node is killed."""
+torchrun's c10d rendezvous, which restarts both nodes' workers when a worker on either node is killed. Also a fault
+(test_multinode_faults.py has the others): a signal to one node's rank stops every rank, and the resumed job ends
+like the one-node run here."""
 
 import itertools
 import json
 import os
+import re
 import signal
 import socket
 import sys
@@ -18,6 +21,7 @@ import pytest
 from cluster import Nodes
 from conftest import REPO, Job, fabric_cli, kill_all, node_env, resumed_step
 from data.demo import prepare_demo
+from fabric_utils.preemption import EXIT_PREEMPTED, STATUS_FILE
 from test_resilience import COMPARED, TINY
 
 TRAIN = str(REPO / "train.py")
@@ -103,4 +107,20 @@ def test_torchrun_on_two_nodes_restarts_after_a_worker_is_killed_and_ends_like_o
         os.kill(pid, signal.SIGKILL)
     assert nodes.wait(timeout=240) == [0, 0], nodes.output()
     assert resumed_step(nodes.output()) >= 10
+    assert_like_one_node(json.loads((out / "results.json").read_text()), one_node[2])
+
+
+def test_a_signal_to_one_node_stops_every_rank_and_the_resumed_job_ends_like_one_node(cluster, one_node, tmp_path):
+    out = tmp_path / "run"
+    nodes = two_nodes(cluster, tmp_path, out, "--resume", "auto", cold=True)
+    nodes.wait_for(out / "checkpoints" / "step-000010")
+    for pid in nodes.train_py(1):
+        os.kill(pid, signal.SIGUSR1)
+    assert nodes.wait() == [EXIT_PREEMPTED] * 2, nodes.output()
+    assert "rank 1: SIGUSR1: stopping" in nodes.logs[1].read_text(), "the signal's rank did not say it got it"
+    stopped = int(re.match(r"preempted at step (\d+)", (out / STATUS_FILE).read_text()).group(1))
+    (tmp_path / "resumed").mkdir()
+    resumed = two_nodes(cluster, tmp_path / "resumed", out, "--resume", "auto")
+    assert resumed.wait() == [0, 0], resumed.output()
+    assert resumed_step(resumed.output()) == stopped
     assert_like_one_node(json.loads((out / "results.json").read_text()), one_node[2])

@@ -85,72 +85,90 @@ OUTPUT_LINE = re.compile(r"(data|training|launch|run) {2,}\S.*|step \d+/\d+ \(ep
                          r"(validation|test): \d+/\d+ batches, \d+:\d\d:\d\d left")
 
 
+# 16 rows per optimizer step in exact arithmetic: the same updates however the processes and micro-batches split them
+EXACT = ["--precision", "32-true", "--attention-dropout", "0", "--hidden-dropout", "0", "--no-group-by-length",
+         "--max-steps", "3", "--val-every", "3", *SMALL_DEMO]
+
+
+@pytest.fixture(scope="module")
+def two_cpus(tmp_path_factory):
+    """``python train.py`` on two CPU processes, its output shown as a log shows it (a line a step): EXACT's steps as 8
+    rows per process, 4 at a time accumulated. (completed process, run folder)"""
+    out_dir = tmp_path_factory.mktemp("two-cpus")
+    shown = [flag for flag in EXACT if flag != "--quiet"]
+    done = run([sys.executable, "train.py", "--accelerator", "cpu", "--devices", "2", *shown, "--batch-size", "4",
+                "--grad-accum", "2", "--log-every", "1", "--logger", "csv,tensorboard", "--out-dir", str(out_dir)])
+    return done, out_dir
+
+
 @pytest.mark.parametrize("launch", ["python", "fabric run"])
-def test_two_cpu_processes_count_every_row_once(tmp_path, launch):
+def test_two_cpu_processes_count_every_row_once(request, tmp_path, launch):
     flags = ["--accelerator", "cpu", "--devices", "2"]
-    if launch == "python":  # with its output, as a log shows it
-        shown = [flag for flag in SMALL_DEMO if flag != "--quiet"]
-        done = run([sys.executable, "train.py", *flags, *shown, "--log-every", "4", "--logger", "csv,tensorboard",
-                    "--out-dir", str(tmp_path)])
+    if launch == "python":
+        done, out_dir = request.getfixturevalue("two_cpus")
         assert not done.stderr, done.stderr[-3000:]
         assert all(OUTPUT_LINE.fullmatch(line) for line in done.stdout.splitlines()), done.stdout
         assert sum(line.startswith("step ") and " left" in line for line in done.stdout.splitlines()) >= 3
-        results = json.loads((tmp_path / "results.json").read_text())
+        results = json.loads((out_dir / "results.json").read_text())
     else:
+        out_dir = tmp_path
         # as a user starts it: `fabric run` then sets OMP_NUM_THREADS to every CPU in each process
         env = {name: value for name, value in subprocess_env().items() if name != "OMP_NUM_THREADS"}
-        done = subprocess.run([fabric_cli(), "run", *flags, "train.py", *SMALL_DEMO, "--out-dir", str(tmp_path)],
+        done = subprocess.run([fabric_cli(), "run", *flags, "train.py", *SMALL_DEMO, "--out-dir", str(out_dir)],
                               cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, done.stderr[-3000:]
-        results = json.loads((tmp_path / "results.json").read_text())
+        results = json.loads((out_dir / "results.json").read_text())
         # the two processes share the cores (the idle ones) instead of each starting a thread per core
         assert 1 <= results["environment"]["torch_threads"] <= max(1, len(os.sched_getaffinity(0)) // 2)
     assert results["world_size"] == 2
     assert {k: results[k] for k in SMALL_SIZES} == SMALL_SIZES
     peaks = results["peak_memory_mb_per_rank"]  # each rank's own resident peak, not rank 0's twice
     assert len(peaks) == 2 and all(peak > 100 for peak in peaks) and peaks[0] != peaks[1]
-    predictions = read_predictions(tmp_path)  # gathered from both ranks: every row once, none of the repeated ones
+    predictions = read_predictions(out_dir)  # gathered from both ranks: every row once, none of the repeated ones
     assert [int(row["row"]) for row in predictions] == list(range(SMALL_SIZES["test_examples"]))
     assert accuracy(predictions) == pytest.approx(results["test_acc"], abs=1e-6)
     if launch == "python":
-        assert list((tmp_path / "tensorboard").rglob("events.out.tfevents.*"))
+        assert list((out_dir / "tensorboard").rglob("events.out.tfevents.*"))
 
 
-def test_torchrun_launch(tmp_path):
-    run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "train.py", "--accelerator", "cpu",
-         "--devices", "2", "--strategy", "ddp", *SMALL_DEMO, "--max-steps", "2", "--out-dir", str(tmp_path)])
-    results = json.loads((tmp_path / "results.json").read_text())
-    assert results["world_size"] == 2 and results["test_examples"] == SMALL_SIZES["test_examples"]
-
-
-def test_torchrun_restarts_a_killed_worker_and_the_job_ends_like_an_uninterrupted_run(tmp_path):
-    """torchrun --max-restarts 2 with --resume auto: a worker killed with kill -9 after the step-4 checkpoint, torchrun
-    restarts both, they resume from the newest checkpoint and end with the metrics of a run never interrupted."""
+@pytest.fixture(scope="module")
+def torchrun_runs(tmp_path_factory):
+    """Under torchrun --max-restarts 2 with --resume auto, a job whose worker is killed with kill -9 after the step-4
+    checkpoint; beside it, the same flags on a run never interrupted: (restarted job, its results, full results)."""
+    root = tmp_path_factory.mktemp("torchrun")
     flags = ["--accelerator", "cpu", "--devices", "2", "--strategy", "ddp", "--precision", "32-true", *SMALL_DEMO,
              "--max-steps", "12", "--save-every", "4", "--resume", "auto"]
     torchrun = ("-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "2", "--master-port",
                 str(29500 + os.getpid() % 1000 + 1))
-    jobs = {"full": Job(tmp_path / "full", *flags), "restarted": Job(tmp_path / "restarted", *flags, launcher=torchrun)}
+    jobs = {"full": Job(root / "full", *flags), "restarted": Job(root / "restarted", *flags, launcher=torchrun)}
     try:
         restarted = jobs["restarted"]
-        restarted.wait_for(tmp_path / "restarted" / "checkpoints" / "step-000004")
+        restarted.wait_for(root / "restarted" / "checkpoints" / "step-000004")
         os.kill(restarted.children()[-1], signal.SIGKILL)
-        full, resumed = jobs["full"].results(), restarted.results()
+        return restarted, restarted.results(), jobs["full"].results()
     finally:
         kill_all(jobs)
+
+
+def test_torchrun_launch(torchrun_runs):
+    _, results, _ = torchrun_runs
+    assert results["world_size"] == 2 and results["test_examples"] == SMALL_SIZES["test_examples"]
+
+
+def test_torchrun_restarts_a_killed_worker_and_the_job_ends_like_an_uninterrupted_run(torchrun_runs):
+    """Both workers restarted, they resume from the newest checkpoint and end with the metrics of the run never
+    interrupted."""
+    restarted, resumed, full = torchrun_runs
     assert resumed_step(restarted.output()) >= 4 and resumed["steps"] == full["steps"] == 12
     compared = ("val_loss", "val_acc", "test_loss", "test_acc")
     assert {key: resumed[key] for key in compared} == pytest.approx({key: full[key] for key in compared}, abs=1e-4)
 
 
-def test_grad_accumulation_matches_a_larger_batch(tmp_path):
+def test_grad_accumulation_matches_a_larger_batch(tmp_path, two_cpus):
     """16 rows per step as 1x16, 2x8 accumulated, and 2 processes x 8: the same rows, the same updates."""
-    exact = ["--precision", "32-true", "--attention-dropout", "0", "--hidden-dropout", "0", "--no-group-by-length",
-             "--max-steps", "3", "--val-every", "3", *SMALL_DEMO]
-    one = train([*exact, "--batch-size", "16"], tmp_path / "one")
-    accumulated = train([*exact, "--batch-size", "8", "--grad-accum", "2"], tmp_path / "accum")
-    ddp = train([*exact, "--batch-size", "4", "--grad-accum", "2", "--accelerator", "cpu", "--devices", "2"],
-                tmp_path / "ddp")
+    one = train([*EXACT, "--batch-size", "16"], tmp_path / "one")
+    accumulated = train([*EXACT, "--batch-size", "8", "--grad-accum", "2"], tmp_path / "accum")
+    ddp = json.loads((two_cpus[1] / "results.json").read_text())
     assert one["val_loss"] != pytest.approx(0.6931, abs=1e-3)  # it did learn something in 3 steps
     assert accumulated["val_loss"] == pytest.approx(one["val_loss"], rel=1e-4)
     assert ddp["val_loss"] == pytest.approx(one["val_loss"], rel=1e-4)
