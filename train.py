@@ -127,9 +127,10 @@ def build(fabric, args, spec: TaskSpec, loss_fn, pretrained: bool):
     model, source = build_model(fabric, spec.build_model, spec.build_skeleton, pretrained=pretrained,
                                 grad_checkpointing=args.grad_checkpointing)
     params = count_parameters(model)
-    flops_of = training_flops_fn(  # FLOPs of forward and backward, for MFU
-        model, loss_fn, lambda size: spec.example_batch(1, size, "cpu"),
-        max_size=spec.lengths.longest if spec.lengths else None)
+    flops_of = None  # FLOPs of forward and backward, for MFU, which needs the device's peak: a CPU has none
+    if args.peak_tflops or fabric.device.type == "cuda":
+        flops_of = training_flops_fn(model, loss_fn, lambda size: spec.example_batch(1, size, "cpu"),
+                                     max_size=spec.lengths.longest if spec.lengths else None)
     if args.precision == FP8:  # before compiling and set-up, which wrap the float8 layers as any other
         convert_to_float8(model)
     if args.compile:  # fabric.setup recompiles it around the strategy's wrapper
@@ -340,13 +341,12 @@ def evaluate(fabric, model, loader, objective, predict: bool = False, shown_as: 
 def finish(fabric, config, state: TrainState, loaders, out_dir, spec: TaskSpec, report) -> dict:
     """Tests the best model, exports it and writes results.json (with ``report``: what else the run knows); then
     removes checkpoints/best, whose weights model/ holds, unless --keep-best-checkpoint."""
-    model, results_file = state.model, out_dir / "results.json"
+    model, results_file, objective = state.model, out_dir / "results.json", spec.objective
     best = load_best(fabric, out_dir, model)
     if best is None:  # a resume of this finished run found no better model
         finalize_loggers(fabric.loggers)
         say(f"the best model is still {out_dir}/model, tested in results.json when the run first finished")
         return json.loads(results_file.read_text())
-    objective = spec.objective
     test = evaluate(fabric, model, loaders["test"], objective=objective, predict=True,
                     shown_as=None if config.quiet else "test")
     predictions = test.pop("predictions")
