@@ -40,7 +40,7 @@ from fabric_utils import (
     ROWS_PER_STEP, Preemption, Progress, Throughput, agreed_resume_checkpoint, batch_kinds, best_rule, build_fabric,
     build_model, build_optimizer, cast_shards, compile_in_engine, compile_model, convert_to_float8, count_parameters,
     counted, cut_splits, default_num_workers, environment_report, explain_lost_peers, export_model, fill_rows,
-    finalize_loggers, first_rows, fitting_batch_size, full_shapes, header, improves, keep_rows_per_step, launch,
+    finalize_loggers, first_rows, fitting_batch_size, full_shapes, header, keep_rows_per_step, launch,
     load_best, load_checkpoint, load_pretrained, locked_run_folder, make_dataloaders, make_loggers,
     peak_memory_per_rank, plot_metrics, prepare_for_setup, proposed_run_folder, remove_checkpoint, save_checkpoint,
     save_config, say, set_threads, shows_bars, silence_libraries, strategy, training_flops_fn, warm_up,
@@ -226,7 +226,7 @@ def make_loaders(fabric, flags, spec: TaskSpec, batch_size: int, grad_accum: int
 
 
 def fit(fabric, config, state: TrainState, loaders, preemption, ckpt_dir, max_steps, steps_per_epoch, flops_of,
-        spec: TaskSpec, rule: tuple, loss_fn) -> tuple[bool, dict]:
+        spec: TaskSpec, rule, loss_fn) -> tuple[bool, dict]:
     """Trains until ``max_steps``, early stopping or preemption (``rule``: best_rule's, which keeps checkpoints/best);
     returns whether it was preempted, and the training throughput."""
     model, optimizer, scheduler, train_loader = state.model, state.optimizer, state.scheduler, loaders["train"]
@@ -279,7 +279,7 @@ def fit(fabric, config, state: TrainState, loaders, preemption, ckpt_dir, max_st
                     val = validate(fabric, model, loaders["validation"], objective=objective, step=step,
                                    show=progress.note, quiet=config.quiet)
                     progress.warn_if_stuck(val["loss"], step, max_lr=config.lr)
-                    if improves(val, state.best_val, metric=rule[0], is_better=rule[2]):
+                    if rule.improves(val, state.best_val):
                         state.best_val, stale = val, 0  # the best model so far is kept as checkpoints/best
                         best = {"model": model, "fingerprint": state.fingerprint, "step": step}
                         save_checkpoint(fabric, ckpt_dir, "best", best)

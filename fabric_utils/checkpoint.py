@@ -10,6 +10,7 @@ import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -333,11 +334,24 @@ def load_best(fabric, out_dir: Path, model) -> Path | None:
                     f"--keep-best-checkpoint)")
 
 
-def best_rule(objective, choice: str | None) -> tuple[str, str, Callable[[float, float | None], bool]]:
-    """The validation metric that picks checkpoints/best, its direction and comparison: the task's or ``choice``'s."""
+class BestRule(NamedTuple):
+    """The validation metric that picks checkpoints/best, its direction ("max", "min" or the task's rule) and test."""
+    metric: str
+    direction: str
+    is_better: Callable[[float, float | None], bool]
+
+    def improves(self, val: dict, best: dict) -> bool:
+        """Whether ``val`` beats ``best``; a tie goes to the lower loss, the model that went on learning."""
+        if best and val[self.metric] == best[self.metric]:
+            return val["loss"] < best["loss"]
+        return self.is_better(val[self.metric], best.get(self.metric))
+
+
+def best_rule(objective, choice: str | None) -> BestRule:
+    """The task's rule, or ``choice``'s (--best-metric NAME[:max|min])."""
     if choice is None:
         direction = {True: "max", False: "min"}.get(getattr(objective, "higher_is_better", None), "the task's rule")
-        return objective.best_metric, direction, objective.is_better
+        return BestRule(objective.best_metric, direction, objective.is_better)
     name, _, direction = choice.partition(":")
     metrics = objective.make_metrics()
     if name != "loss" and name not in metrics:
@@ -349,11 +363,5 @@ def best_rule(objective, choice: str | None) -> tuple[str, str, Callable[[float,
         direction = "max" if higher else "min"
     if direction not in ("max", "min"):
         raise UserError(f"--best-metric {choice}: the direction is max or min, got {direction}")
-    return name, direction, lambda value, best: best is None or (value > best if direction == "max" else value < best)
-
-
-def improves(val: dict, best: dict, metric: str, is_better) -> bool:
-    """Whether ``val`` beats ``best`` on ``metric``; a tie goes to the lower loss, the model that went on learning."""
-    if best and val[metric] == best[metric]:
-        return val["loss"] < best["loss"]
-    return is_better(val[metric], best.get(metric))
+    return BestRule(name, direction,
+                    lambda value, best: best is None or (value > best if direction == "max" else value < best))

@@ -39,7 +39,7 @@ def silence_libraries() -> None:
     logging.getLogger("DeepSpeed").addFilter(lambda record: "Setting accelerator to" not in record.getMessage())
 
 
-def header(fabric, config, spec, max_steps: int, steps_per_epoch: int, out_dir, threads: str, rule: tuple) -> str:
+def header(fabric, config, spec, max_steps: int, steps_per_epoch: int, out_dir, threads: str, rule) -> str:
     splits = ", ".join(f"{len(rows):,} {name}" for name, rows in spec.datasets.items())
     devices, nodes = fabric.world_size, getattr(fabric.strategy, "num_nodes", 1)
     return "\n".join([
@@ -53,7 +53,7 @@ def header(fabric, config, spec, max_steps: int, steps_per_epoch: int, out_dir, 
         + f", {type(fabric.strategy).__name__}, precision {precision_name(fabric, config.precision)}, "
           f"{threads} per process",
         f"run       {out_dir} (environment.json there: versions and hardware), checkpoints/best by validation "
-        f"{rule[0]} ({rule[1]})"])
+        f"{rule.metric} ({rule.direction})"])
 
 
 def shows_bars(fabric, quiet: bool, verbose: bool) -> bool:

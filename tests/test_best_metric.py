@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from conftest import logged, run
-from fabric_utils.checkpoint import best_rule, improves
+from fabric_utils.checkpoint import best_rule
 from fabric_utils.errors import UserError
 from task import ClassifierObjective
 
@@ -43,14 +43,13 @@ def test_an_unknown_metric_or_direction_is_one_line(choice, message):
 
 def test_a_tie_goes_to_the_lower_validation_loss():
     """An easy task's accuracy reaches 1.0 early and then only ties: the later, lower-loss model is kept."""
-    _, _, is_better = best_rule(SINGLE, None)
+    rule = best_rule(SINGLE, None)
     best = {"acc": 1.0, "loss": 0.35}
-    assert improves({"acc": 1.0, "loss": 0.04}, best, "acc", is_better)
-    assert not improves({"acc": 1.0, "loss": 0.5}, best, "acc", is_better)
-    assert not improves({"acc": 0.9, "loss": 0.01}, best, "acc", is_better)
-    assert improves({"acc": 0.5, "loss": 9.0}, {}, "acc", is_better)  # the first validation
-    loss_rule = best_rule(SINGLE, "loss")[2]
-    assert improves({"acc": 0.5, "loss": 0.3}, best, "loss", loss_rule)
+    assert rule.improves({"acc": 1.0, "loss": 0.04}, best)
+    assert not rule.improves({"acc": 1.0, "loss": 0.5}, best)
+    assert not rule.improves({"acc": 0.9, "loss": 0.01}, best)
+    assert rule.improves({"acc": 0.5, "loss": 9.0}, {})  # the first validation
+    assert best_rule(SINGLE, "loss").improves({"acc": 0.5, "loss": 0.3}, best)
 
 
 def test_a_run_keeps_the_checkpoint_of_the_metric_asked_for(tmp_path):
