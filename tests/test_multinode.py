@@ -2,10 +2,9 @@
 metrics of the same world size on one node. The nodes start a second apart with cold node-local caches, as on a
 cluster, and a job without --out-dir leaves one run folder in the folder both start in.
 
-`fabric run --num-nodes 2` (1 and 2 processes per node), plain `python train.py` with NODE_RANK and MASTER_ADDR, and
-torchrun's c10d rendezvous, which restarts both nodes' workers when a worker on either node is killed. Also a fault
-(test_multinode_faults.py has the others): a signal to one node's rank stops every rank, and the resumed job ends
-like the one-node run here."""
+`fabric run --num-nodes 2` (1 and 2 processes per node); plain `python train.py` with NODE_RANK and MASTER_ADDR, stopped
+by a signal to one node's rank (a fault, beside the others in test_multinode_faults.py: it stops every rank) and
+resumed; and torchrun's c10d rendezvous, which restarts both nodes' workers when a worker on either node is killed."""
 
 import itertools
 import json
@@ -14,6 +13,7 @@ import re
 import signal
 import socket
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -84,33 +84,41 @@ def two_nodes(cluster, root, out, *flags, cold=False, env=None) -> Nodes:
                                   *flags]] * 2, env, cwd=REPO, cold=cold)
 
 
-def test_python_train_py_on_each_node_with_node_rank_ends_like_one_node(cluster, one_node, tmp_path):
-    out = tmp_path / "run"
-    nodes = two_nodes(cluster, tmp_path, out, cold=True)
-    assert nodes.wait() == [0, 0], nodes.output()
-    assert_like_one_node(json.loads((out / "results.json").read_text()), one_node[2])
-
-
-@pytest.mark.parametrize("killed", [0, 1])
-def test_torchrun_on_two_nodes_restarts_after_a_worker_is_killed_and_ends_like_one_node(cluster, one_node, tmp_path,
-                                                                                        killed):
-    """kill -9 of node ``killed``'s worker: both nodes' agents restart their workers (only the killed one counts it
-    as a restart), which join one process group again and resume from the newest checkpoint."""
+def test_torchrun_on_two_nodes_restarts_after_a_worker_on_either_node_is_killed_and_ends_like_one_node(
+        cluster, one_node, tmp_path):
+    """kill -9 of node1's worker, then, once the restarted workers have resumed, of node2's: each time both nodes'
+    agents restart their workers, which join one process group again and resume from the newest checkpoint."""
     out = tmp_path / "run"
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
                 "--rdzv-backend", "c10d", "--rdzv-endpoint", f"node1:{next(ports)}", "--rdzv-id", "job",
-                "--max-restarts", "1"]
+                "--max-restarts", "2"]
     nodes = Nodes(cluster, tmp_path, [[*torchrun, TRAIN, *TINY, "--num-nodes", "2", "--devices", "1", "--resume",
-                                       "auto", "--out-dir", out]] * 2, node_env(), cwd=REPO)
+                                       "auto", "--out-dir", out]] * 2, node_env(), cwd=REPO, cold=False)
     nodes.wait_for(out / "checkpoints" / "step-000010")
-    for pid in nodes.train_py(killed):
-        os.kill(pid, signal.SIGKILL)
-    assert nodes.wait(timeout=240) == [0, 0], nodes.output()
-    assert resumed_step(nodes.output()) >= 10
+    for killed in range(2):
+        workers = nodes.train_py(killed)
+        assert workers, f"no worker on node {killed + 1} to kill\n{nodes.output()}"
+        for pid in workers:
+            os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 240
+        while len(resumes(nodes)) <= killed:  # the restarted workers are back in the loop, from a checkpoint
+            assert all(proc.poll() is None for proc in nodes.procs), nodes.output()
+            assert time.monotonic() < deadline, nodes.output()
+            time.sleep(0.05)
+    assert nodes.wait() == [0, 0], nodes.output()
+    assert len(resumes(nodes)) == 2 and min(resumes(nodes)) >= 10, nodes.output()
     assert_like_one_node(json.loads((out / "results.json").read_text()), one_node[2])
 
 
-def test_a_signal_to_one_node_stops_every_rank_and_the_resumed_job_ends_like_one_node(cluster, one_node, tmp_path):
+def resumes(nodes: Nodes) -> list[int]:
+    """The step each resume of the job started from, whichever node its rank 0 ran on."""
+    return [int(step) for log in nodes.logs for step in re.findall(r"resumed from \S+ at step (\d+)", log.read_text())]
+
+
+def test_python_train_py_on_each_node_with_node_rank_stops_on_a_signal_to_one_node_and_resumes_like_one_node(
+        cluster, one_node, tmp_path):
+    """The recipe from cold caches: SIGUSR1 to node2's rank stops every rank on both nodes, and the same command again,
+    with --resume auto, ends like the one-node run."""
     out = tmp_path / "run"
     nodes = two_nodes(cluster, tmp_path, out, "--resume", "auto", cold=True)
     nodes.wait_for(out / "checkpoints" / "step-000010")

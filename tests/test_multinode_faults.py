@@ -2,6 +2,8 @@
 node cannot take a run folder in use, and a hostname on loopback needs GLOO_SOCKET_IFNAME. (A signal that reaches one
 node only: test_multinode.py, beside the one-node run it ends like.)"""
 
+import os
+import signal
 import sys
 import time
 
@@ -31,8 +33,9 @@ def test_a_second_job_on_another_node_is_refused_the_run_folder_in_use(cluster, 
     out = tmp_path / "run"
     slow = [*TINY, "--epochs", "1000"]  # still running when the second job starts
     first = Nodes(cluster, tmp_path, [[sys.executable, TRAIN, *slow, "--devices", "1", "--out-dir", out]], node_env(),
-                  cwd=REPO)
+                  cwd=REPO, cold=False)
     first.wait_for(out / "checkpoints" / "step-000010")
+    os.killpg(first.procs[0].pid, signal.SIGSTOP)  # in use still, holding its lock, without taking a core meanwhile
     second = cluster.run(1, [sys.executable, TRAIN, *slow, "--devices", "1", "--out-dir", out, "--resume", "auto"],
                          node_env()(1), cwd=REPO, timeout=300)
     assert second.returncode == 2, second.stderr[-3000:]
