@@ -15,10 +15,12 @@ import pytest
 from conftest import REPO, Job, kill_all, logged, resumed_step, subprocess_env
 from test_resilience import EXPORT_CHECK, TINY
 
-# TINY's 100 steps of 16 rows, as 8 rows on each of two processes. 65 test rows in batches of 32 leave rank 1 a last
-# batch of its repeated row only, which it must still run forward (the blocks' all-gathers are collectives)
-FSDP2 = ["--devices", "2", "--strategy", "fsdp2", "--batch-size", "8", "--test-size", "65", "--eval-batch-size", "32"]
-MAX_STEPS = 100
+# TINY on half its rows: two epochs of 25 steps of 16 rows, as 8 rows on each of two processes. 65 test rows in
+# batches of 32 leave rank 1 a last batch of its repeated row only, which it must still run forward (the blocks'
+# all-gathers are collectives)
+FSDP2 = ["--devices", "2", "--strategy", "fsdp2", "--train-size", "400", "--batch-size", "8", "--test-size", "65",
+         "--eval-batch-size", "32"]
+MAX_STEPS = 50
 COMPARED = ("val_loss", "val_acc", "test_loss", "test_acc")
 
 

@@ -133,16 +133,17 @@ EXACT = ["--lora-r", "4", "--lr", "1e-2", "--attention-dropout", "0", "--hidden-
 
 
 @pytest.fixture(scope="module")
-def llama_reference(folders, tmp_path_factory):
-    """Llama with LoRA in one process, 8 rows per step: what two processes of 4 rows each must end with."""
+def llama_run(folders, tmp_path_factory):
+    """Llama with LoRA in one process, 8 rows per step, a checkpoint after each: what two processes of 4 rows each
+    and a resumed run must end with. Its folder."""
     data, models = folders
     out = tmp_path_factory.mktemp("llama") / "one"
-    train_in_process("--dataset", data, "--model", models["llama"], "--out-dir", out, *EXACT)
-    return load_file(out / "model" / "model.safetensors")
+    train_in_process("--dataset", data, "--model", models["llama"], "--out-dir", out, *EXACT, "--save-every", "1")
+    return out
 
 
 @pytest.mark.parametrize("strategy, flags", [("fsdp2", ["--grad-checkpointing"]), ("deepspeed_stage_3", [])])
-def test_a_sharded_decoder_with_lora_trains_as_one_process(folders, llama_reference, tmp_path, strategy, flags):
+def test_a_sharded_decoder_with_lora_trains_as_one_process(folders, llama_run, tmp_path, strategy, flags):
     """Two CPU processes: the skeleton built sharded and filled from rank 0 (rotary tables rebuilt, not read), blocks
     recomputed under fsdp2, and the export gathered with the adapters merged: the same weights as one process."""
     data, models = folders
@@ -151,26 +152,25 @@ def test_a_sharded_decoder_with_lora_trains_as_one_process(folders, llama_refere
                      "--test-size", "16", "--max-length", "64", "--batch-size", "4", "--max-steps", "2", "--quiet",
                      "--num-workers", "0", *EXACT, *flags], tmp_path, deepspeed_cpu=strategy.startswith("deepspeed"))
     assert results["world_size"] == 2
-    exported = load_file(tmp_path / "model" / "model.safetensors")
-    assert exported.keys() == llama_reference.keys()
-    for name, value in llama_reference.items():
+    exported, reference = (load_file(out / "model" / "model.safetensors") for out in (tmp_path, llama_run))
+    assert exported.keys() == reference.keys()
+    for name, value in reference.items():
         torch.testing.assert_close(exported[name], value, rtol=1e-4, atol=1e-5, msg=name)
     assert_alone_as_in_a_batch(tmp_path / "model", "left")
 
 
-def test_a_decoder_resumes_exactly(folders, tmp_path, capsys):
+def test_a_decoder_resumes_exactly(folders, llama_run, tmp_path, capsys):
     """Llama's run cut back to its step-1 checkpoint and resumed ends with the uninterrupted run's weights."""
     data, models = folders
-    flags = ["--dataset", data, "--model", models["llama"], *EXACT, "--save-every", "1"]
-    train_in_process(*flags, "--out-dir", tmp_path / "whole")
-    shutil.copytree(tmp_path / "whole", tmp_path / "resumed")
+    shutil.copytree(llama_run, tmp_path / "resumed")
     for later in ("checkpoints/step-000002", "model", "results.json"):
         shutil.rmtree(tmp_path / "resumed" / later) if (tmp_path / "resumed" / later).is_dir() else (
             tmp_path / "resumed" / later).unlink()
     capsys.readouterr()
-    train_in_process(*flags, "--resume", "auto", "--out-dir", tmp_path / "resumed")
+    train_in_process("--dataset", data, "--model", models["llama"], *EXACT, "--save-every", "1", "--resume", "auto",
+                     "--out-dir", tmp_path / "resumed")
     assert resumed_step(capsys.readouterr().out) == 1
-    whole, resumed = (load_file(tmp_path / run / "model" / "model.safetensors") for run in ("whole", "resumed"))
+    whole, resumed = (load_file(out / "model" / "model.safetensors") for out in (llama_run, tmp_path / "resumed"))
     assert whole.keys() == resumed.keys()
     for name, value in whole.items():
         torch.testing.assert_close(resumed[name], value, rtol=1e-5, atol=1e-6, msg=name)
