@@ -61,6 +61,7 @@ def test_family_trains_exports_and_predicts(folders, tmp_path, capsys, family, l
     data, models = folders
     out = tmp_path / "run"
     results = train_in_process("--dataset", data, "--model", models[family], "--out-dir", out,
+                               "--peak-tflops", "1",  # a CPU's FLOPs are counted only against a peak given
                                *(["--lora-r", "4", "--keep-best-checkpoint"] if lora else []))
     said = capsys.readouterr().out
     assert results["steps"] == 2
