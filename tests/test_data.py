@@ -107,7 +107,6 @@ def test_data_seed_draws_the_rows_whatever_the_seed(tmp_path):
     assert drawn("--seed", "2")[2] != own[2]
 
 
-
 def test_set_up_reads_each_column_whole(tmp_path, monkeypatch):
     """Row lengths and labels reach the samplers and the chance loss read whole: a datasets Column read row by row
     selects its table once per row (over a minute of set-up per rank on IMDB's 50,000 rows)."""
