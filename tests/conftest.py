@@ -1,12 +1,17 @@
+import atexit
 import csv
 import functools
 import json
+import multiprocessing
+import multiprocessing.forkserver
 import os
 import re
+import runpy
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -53,12 +58,103 @@ def subprocess_env() -> dict:
     return env
 
 
+# ``python train.py`` (or predict.py) without its seconds of imports: forked from a process that imported the scripts
+# once per test worker (multiprocessing's forkserver), the script runs as ``__main__`` with the arguments, environment,
+# output files and session of its own that a fresh interpreter would have. A run in another environment (libraries
+# read some of it at import, such as the CPU shims on PYTHONPATH) starts a fresh interpreter, as every run does with
+# FABRIC_TEMPLATE_TESTS_FRESH=1.
+FORKED_SCRIPTS = ("train.py", "predict.py")
+# imported as the scripts run: the demo's BERT, datasets' readers, and DeepSpeed (save_pretrained imports it, with
+# MLflow, wherever it is installed); a library missing here is skipped
+RUN_TIME_IMPORTS = ("datasets", "deepspeed", "transformers.models.bert.modeling_bert")
+_forkserver = {}  # "env": what it imported the scripts under
+
+
+def forkable(command: list, env: dict) -> bool:
+    at_import = {name: value for name, value in env.items() if name != "PYTEST_CURRENT_TEST"}  # pytest's, per test
+    return (not os.environ.get("FABRIC_TEMPLATE_TESTS_FRESH") and command[0] == sys.executable and len(command) > 1
+            and command[1] in FORKED_SCRIPTS and at_import == _forkserver.setdefault("env", at_import))
+
+
+def _start_forkserver() -> None:
+    scripts = [script.removesuffix(".py") for script in FORKED_SCRIPTS]
+    multiprocessing.set_forkserver_preload([*scripts, *RUN_TIME_IMPORTS])
+    saved, here = dict(os.environ), os.getcwd()
+    try:  # it inherits the runs' environment, and imports the scripts from their folder
+        os.environ.clear()
+        os.environ.update(_forkserver["env"])
+        os.chdir(REPO)
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+        os.chdir(here)
+    _forkserver["started"] = True
+
+
+def _run_script(argv: list, env: dict, stdout: str, stderr: str) -> None:
+    os.setsid()  # a session and process group of its own, as start_new_session=True gives
+    os.chdir(REPO)
+    os.environ.clear()
+    os.environ.update(env)
+    for fd, path in ((1, stdout), (2, stderr)):
+        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND), fd)
+    sys.argv = [os.fspath(arg) for arg in argv]
+    try:
+        runpy.run_path(argv[0], run_name="__main__")
+    finally:
+        atexit._run_exitfuncs()  # an interpreter runs them at exit; multiprocessing's children do not
+
+
+class ForkedRun:
+    """A forked run with the part of ``subprocess.Popen``'s interface the tests use; its output goes to the files
+    ``stdout`` and ``stderr`` (the same one for both: merged)."""
+
+    def __init__(self, command: list, env: dict, stdout: Path, stderr: Path):
+        if "started" not in _forkserver:
+            _start_forkserver()
+        self.args = command
+        # not a daemon: a run's DataLoader workers are multiprocessing children of their own
+        self.process = multiprocessing.get_context("forkserver").Process(
+            target=_run_script, args=(command[1:], env, str(stdout), str(stderr)))
+        self.process.start()
+        self.pid = self.process.pid
+
+    @property
+    def returncode(self):
+        return self.process.exitcode
+
+    def poll(self):
+        return self.process.exitcode
+
+    def send_signal(self, sig: int) -> None:
+        if self.process.exitcode is None:
+            os.kill(self.pid, sig)
+
+    def wait(self, timeout=None) -> int:
+        self.process.join(timeout)
+        if self.process.exitcode is None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self.process.exitcode
+
+
 def run(command: list, timeout=600, deepspeed_cpu=False, check=True) -> subprocess.CompletedProcess:
     """Runs a command from the repository root; with ``deepspeed_cpu``, under the test-only DeepSpeed CPU shim."""
     env = subprocess_env()
     if deepspeed_cpu:
         env.update(FABRIC_TEMPLATE_DEEPSPEED_CPU="1", PYTHONPATH=os.pathsep.join([str(SHIMS), str(REPO)]))
-    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    if forkable(command, env):
+        with tempfile.TemporaryDirectory() as folder:
+            stdout, stderr = Path(folder) / "stdout", Path(folder) / "stderr"
+            forked = ForkedRun(command, env, stdout, stderr)
+            try:
+                forked.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(forked.pid, signal.SIGKILL)
+                raise
+            result = subprocess.CompletedProcess(command, forked.returncode, stdout.read_text(), stderr.read_text())
+    else:
+        result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     if check and result.returncode != 0:
         raise AssertionError(f"{command} exited {result.returncode}\n--- stdout\n{result.stdout[-3000:]}"
                              f"\n--- stderr\n{result.stderr[-5000:]}")
@@ -140,9 +236,14 @@ class Job:
         self.out_dir = out_dir
         self.log = out_dir.with_name(out_dir.name + f"-{time.monotonic_ns()}.log")
         self.command = [sys.executable, *launcher, "train.py", "--out-dir", str(out_dir), *flags]
+        env = subprocess_env()
+        if forkable(self.command, env):
+            self.log.write_text("")
+            self.proc = ForkedRun(self.command, env, self.log, self.log)
+            return
         with open(self.log, "w") as log:
             # own process group: a test can wait for every process of a multi-process run
-            self.proc = subprocess.Popen(self.command, cwd=REPO, env=subprocess_env(), stdout=log, stderr=subprocess.STDOUT,
+            self.proc = subprocess.Popen(self.command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
                                          start_new_session=True)
 
     def wait(self, timeout=300) -> int:

@@ -2,15 +2,15 @@
 with a non-zero status and one ``error: ...`` line on stderr that says what to change; no traceback, and nothing
 already in --out-dir is touched.
 
-Importing train.py's dependencies takes ~10 s here, far more than most of these runs need to fail. So one
-harness process imports them once and then runs each case as ``train.py``'s ``__main__`` in a forked child with its
-own stdout/stderr files, exit status and traceback printing exactly as ``python train.py ARGS`` would have. One case
-also runs as a real ``python train.py`` subprocess, which checks that the harness reports what a real run does."""
+Importing train.py's dependencies takes longer than most of these runs need to fail, so each case runs forked from a
+process that imported them once (tests/conftest.py); one case also runs in a fresh interpreter, which checks that a
+forked run reports what a real one does."""
 
 import hashlib
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -21,7 +21,7 @@ import pandas as pd
 import pytest
 import torch
 
-from conftest import REPO, fabric_cli, subprocess_env
+from conftest import REPO, fabric_cli, forkable, run, subprocess_env
 from data.demo import make_review, prepare_demo
 from fabric_utils.checkpoint import write_manifest
 
@@ -30,71 +30,6 @@ DEMO = Path.home() / ".cache" / "fabric-template" / "demo"
 MODEL = str(DEMO / "model")  # the demo's model: a 2-label BertForSequenceClassification
 QUICK = ["--accelerator", "cpu", "--precision", "32-true", "--num-workers", "0", "--max-length", "32", "--epochs", "1",
          "--batch-size", "8", "--quiet"]
-
-HARNESS = r"""
-import json, os, runpy, shutil, sys, time, traceback
-from pathlib import Path
-cases = json.loads(open(sys.argv[1]).read())
-import train  # noqa: F401  every import of train.py, once
-import datasets.packaged_modules.csv, datasets.packaged_modules.parquet  # noqa: F401
-import transformers.models.bert.modeling_bert  # noqa: F401
-try:
-    import deepspeed  # noqa: F401  (train.py's environment report imports it)
-except Exception:
-    pass
-from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
-tokenizer = AutoTokenizer.from_pretrained(sys.argv[2])  # the demo's tokenizer with a 32-wide BERT
-BertForSequenceClassification(BertConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1,
-                                         num_attention_heads=2, intermediate_size=64, num_labels=2)
-                              ).save_pretrained(sys.argv[3])
-tokenizer.save_pretrained(sys.argv[3])
-from fabric_utils.checkpoint import write_manifest
-results = {}
-for case in cases:
-    for source, dest in case.get("copy", []):  # a checkpoint made from what the cases before it wrote
-        shutil.copy(source, dest)
-    if "manifest" in case:
-        write_manifest(Path(case["manifest"]))
-    out, err = case["log"] + ".out", case["log"] + ".err"
-    sys.stdout.flush(); sys.stderr.flush()
-    start = time.monotonic()
-    pid = os.fork()
-    if pid == 0:  # as `python train.py ARGS`: output to files, uncaught exceptions print a traceback and exit 1
-        rc = 1
-        try:
-            for fd, path in ((1, out), (2, err)):
-                os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
-            sys.stdout = open(1, "w", closefd=False, buffering=1)
-            sys.stderr = open(2, "w", closefd=False, buffering=1)
-            sys.argv = ["train.py", *case["args"]]
-            runpy.run_path("train.py", run_name="__main__")
-            rc = 0
-        except SystemExit as exit_:
-            code = exit_.code
-            rc = 0 if code is None else code if isinstance(code, int) else 1
-            if not isinstance(code, (int, type(None))):
-                print(code, file=sys.stderr)
-        except BaseException:
-            traceback.print_exc()
-        finally:
-            sys.stdout.flush(); sys.stderr.flush()
-            os._exit(rc)
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            break
-        if time.monotonic() - start > 240:
-            os.kill(pid, 9)
-            os.waitpid(pid, 0)
-            status = None
-            break
-        time.sleep(0.02)
-    results[case["id"]] = {"rc": None if status is None else os.waitstatus_to_exitcode(status),
-                           "stdout": open(out).read(), "stderr": open(err).read(),
-                           "seconds": round(time.monotonic() - start, 2)}
-print(json.dumps(results))
-"""
-
 
 def write_reviews(path: Path, rows: int, seed: int, labels=("negative", "positive"), columns=("text", "label")):
     rng = random.Random(seed)
@@ -120,9 +55,20 @@ def digest(path: Path) -> dict:
             for p in sorted(path.rglob("*")) if p.is_file()}
 
 
+def write_other_model(folder: Path) -> None:
+    """The demo's tokenizer with a 32-wide BERT: another model with the demo's labels."""
+    from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
+
+    tokenizer = AutoTokenizer.from_pretrained(MODEL)
+    BertForSequenceClassification(BertConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1,
+                                             num_attention_heads=2, intermediate_size=64, num_labels=2)
+                                  ).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
 def build_cases(tmp: Path) -> tuple[list, dict]:
     """(cases, facts): each case has an id, train.py arguments, the exit status, the text its error line must hold,
-    and whether it runs as a real subprocess."""
+    and whether it runs in a fresh interpreter."""
     prepare_demo(DEMO)
     ok = data_folder(tmp / "data_ok")
     other_labels = data_folder(tmp / "data_other_labels", labels=("bad", "good"))
@@ -137,7 +83,7 @@ def build_cases(tmp: Path) -> tuple[list, dict]:
     (tmp / "unquoted_comma.csv").write_text("text,label\ngood film,1\nslow, dull film,0\n")
     (tmp / "garbage.parquet").write_bytes(b"this is not parquet\n" * 10)
     (tmp / "a_file").write_text("not a folder\n")
-    other_model = tmp / "other_model"  # written by the harness: another model with the same labels
+    other_model = tmp / "other_model"  # another model with the same labels
     good_out = tmp / "good_run"
     good_ckpt = good_out / "checkpoints" / "step-000002"
     # the good run's checkpoint (its record, so the resume gets as far as loading) with damage its manifest cannot
@@ -250,8 +196,7 @@ def build_cases(tmp: Path) -> tuple[list, dict]:
                 (out / "results.json").write_text(json.dumps({"test_acc": 0.875, "case": case_id}, indent=2))
                 (out / "model" / "config.json").write_text("{}\n")
         built.append({"id": case_id, "args": args, "rc": rc, "message": message, "real": real,
-                      "log": str(tmp / "logs" / case_id), **prepare.get(case_id, {})})
-    (tmp / "logs").mkdir()
+                      **prepare.get(case_id, {})})
     return built, {"good_ckpt": good_ckpt, "other_model": str(other_model)}
 
 
@@ -264,12 +209,17 @@ def outcomes(tmp_path_factory):
     real = {c["id"]: subprocess.Popen([sys.executable, "train.py", *c["args"]], cwd=ROOT, env=subprocess_env(),
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             for c in cases if c["real"]}
-    (tmp / "cases.json").write_text(json.dumps([c for c in cases if not c["real"]]))
-    harness = subprocess.run([sys.executable, "-c", HARNESS, str(tmp / "cases.json"), MODEL, facts["other_model"]],
-                             cwd=ROOT, env=subprocess_env(),
-                             capture_output=True, text=True, timeout=600)
-    assert harness.returncode == 0, harness.stderr[-5000:]
-    results = json.loads(harness.stdout.strip().splitlines()[-1])
+    write_other_model(Path(facts["other_model"]))
+    results = {}
+    for case in cases:
+        if case["real"]:
+            continue
+        for source, dest in case.get("copy", []):  # a checkpoint made from what the cases before it wrote
+            shutil.copy(source, dest)
+        if "manifest" in case:
+            write_manifest(Path(case["manifest"]))
+        done = run([sys.executable, "train.py", *case["args"]], timeout=240, check=False)
+        results[case["id"]] = {"rc": done.returncode, "stdout": done.stdout, "stderr": done.stderr}
     for case_id, proc in real.items():
         stdout, stderr = proc.communicate(timeout=300)
         results[case_id] = {"rc": proc.returncode, "stdout": stdout, "stderr": stderr}
@@ -361,6 +311,19 @@ def test_help_and_a_bad_flag_answer_at_once(flags):
     else:
         assert done.returncode == 2 and not done.stdout
         assert done.stderr == "error: argument --warmup: must be zero or positive, got -0.5\n"
+
+
+def test_a_forked_run_reports_what_a_fresh_interpreter_does(tmp_path, monkeypatch):
+    """The tests' runs are forked from a process that imported train.py's libraries (tests/conftest.py): a run that
+    stops after its imports gives the same status and output as ``python train.py`` does."""
+    command = [sys.executable, "train.py", "--model", MODEL, *QUICK, "--dataset", str(tmp_path / "nowhere.csv"),
+               "--out-dir", str(tmp_path / "run")]
+    assert forkable(command, subprocess_env())
+    forked = run(command, check=False)
+    monkeypatch.setenv("FABRIC_TEMPLATE_TESTS_FRESH", "1")
+    fresh = run(command, check=False)
+    assert fresh.returncode == 2 and "does not exist" in fresh.stderr, fresh.stderr[-3000:]
+    assert (forked.returncode, forked.stdout, forked.stderr) == (fresh.returncode, fresh.stdout, fresh.stderr)
 
 
 def test_predict_on_a_folder_that_holds_no_run_is_one_line(tmp_path):

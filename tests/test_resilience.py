@@ -1,7 +1,7 @@
 """Resilient runs: exact resume after SIGKILL, clean stop on SIGTERM (one and two processes), checkpoints
 that --resume auto can trust, --keep-last, the exported model, and a loss that goes non-finite.
 
-Every run is ``python train.py`` in a subprocess on the CPU. To keep the module at about a minute and a half on two
+Every run is ``python train.py`` in a process of its own on the CPU. To keep the module at about a minute and a half on two
 shared cores, the single-process runs start together in one fixture and each test checks its part of them."""
 
 import json
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import Job, kill_all, logged, resumed_step, subprocess_env, when_saved
+from conftest import Job, kill_all, logged, resumed_step, run, subprocess_env, when_saved
 from fabric_utils.checkpoint import write_manifest
 
 EXIT_PREEMPTED = 75
@@ -100,9 +100,7 @@ def test_a_resume_from_the_folder_refuses_a_flag_that_changes_the_run(runs):
     jobs["killed_resume"].results()
     out_dir = jobs["killed_resume"].out_dir
     before = (out_dir / "results.json").read_bytes()
-    done = subprocess.run([sys.executable, "train.py", "--out-dir", str(out_dir), "--resume", "auto", "--lr", "0.5"],
-                          cwd=Path(__file__).resolve().parents[1], env=subprocess_env(), capture_output=True,
-                          text=True, timeout=300)
+    done = run([sys.executable, "train.py", "--out-dir", str(out_dir), "--resume", "auto", "--lr", "0.5"], check=False)
     assert done.returncode == 2 and len(done.stderr.splitlines()) == 1, done.stderr[-3000:]
     assert "was written with --lr 0.004 (now 0.5)" in done.stderr
     assert (out_dir / "results.json").read_bytes() == before
@@ -116,9 +114,7 @@ def test_a_resume_of_a_finished_run_keeps_its_model_and_results(runs):
     out_dir = jobs["killed_resume"].out_dir
     kept = ("results.json", "model/model.safetensors")
     before = [(out_dir / name).read_bytes() for name in kept]
-    done = subprocess.run([sys.executable, "train.py", "--out-dir", str(out_dir), "--resume", "auto"],
-                          cwd=Path(__file__).resolve().parents[1], env=subprocess_env(), capture_output=True,
-                          text=True, timeout=300)
+    done = run([sys.executable, "train.py", "--out-dir", str(out_dir), "--resume", "auto"], check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"the best model is still {out_dir}/model" in done.stdout, done.stdout[-3000:]
     assert [(out_dir / name).read_bytes() for name in kept] == before
@@ -131,9 +127,7 @@ def test_a_resume_with_neither_best_nor_results_is_one_line(runs, tmp_path):
     jobs["killed_resume"].results()
     out_dir = shutil.copytree(jobs["killed_resume"].out_dir, tmp_path / "run")
     (out_dir / "results.json").unlink()
-    done = subprocess.run([sys.executable, "train.py", "--out-dir", str(out_dir), "--resume", "auto"],
-                          cwd=Path(__file__).resolve().parents[1], env=subprocess_env(), capture_output=True,
-                          text=True, timeout=300)
+    done = run([sys.executable, "train.py", "--out-dir", str(out_dir), "--resume", "auto"], check=False)
     assert done.returncode == 2 and done.stderr.splitlines()[-1] == (
         f"error: {out_dir}/checkpoints/best is gone (a finished run removes it: model/ holds its weights) and so is "
         f"{out_dir}/results.json: nothing is left to test; start a new --out-dir (or keep it next time with "

@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import REPO, SHIMS, subprocess_env
+from conftest import REPO, SHIMS, run, subprocess_env
 from fabric_utils.checkpoint import find_resume_checkpoint, load_weights, verify, write_manifest
 from fabric_utils.errors import UserError
 from fabric_utils.safe_pickle import load_torch_file
@@ -138,9 +138,8 @@ def test_resuming_a_planted_fsdp2_checkpoint_is_one_line_on_two_processes(runs, 
     """The plain pickle.load of torch distributed checkpoint's index used to run the payload on every rank."""
     out = shutil.copytree(runs / "fsdp2", tmp_path / "run")
     plant(out / "checkpoints" / "step-000002", "state/.metadata", tmp_path / "marker")
-    done = subprocess.run([sys.executable, "train.py", *TINY, *STRATEGIES["fsdp2"][0], "--out-dir", str(out),
-                           "--resume", "auto"], cwd=REPO, env=subprocess_env(), capture_output=True, text=True,
-                          timeout=300)
+    done = run([sys.executable, "train.py", *TINY, *STRATEGIES["fsdp2"][0], "--out-dir", str(out), "--resume", "auto"],
+               check=False)
     assert done.returncode == 2 and done.stderr.strip().splitlines() == [
         f"error: refusing checkpoint file {out}/checkpoints/step-000002/state/.metadata: it needs posix.system, which "
         f"no checkpoint of train.py holds (loading it could run code); pass another --resume or start a new "
@@ -174,8 +173,7 @@ def test_resume_auto_continues_from_the_checkpoint_before_a_damaged_one(runs, tm
     data = bytearray(state.read_bytes())
     data[-100] ^= 1  # inside the zip's records: same size
     state.write_bytes(bytes(data))
-    done = subprocess.run([sys.executable, "train.py", *TINY, "--out-dir", str(out), "--resume", "auto"], cwd=REPO,
-                          env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    done = run([sys.executable, "train.py", *TINY, "--out-dir", str(out), "--resume", "auto"], check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     assert (f"skipping damaged checkpoint {out / 'checkpoints' / 'step-000002'}: state is not the file written"
             in done.stdout)
@@ -194,11 +192,11 @@ def test_predict_runs_no_code_and_reads_no_pickle_from_the_model_folder(runs, tm
     rows = tmp_path / "rows.csv"
     rows.write_text("text\ngreat film\ndull film\n")
     predict = [sys.executable, "predict.py", str(run_dir), str(rows)]
-    done = subprocess.run(predict, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    done = run(predict, check=False)
     assert done.returncode == 0 and "2 predictions" in done.stdout, done.stderr[-3000:]
     (model / "model.safetensors").unlink()  # weights as a pickle instead
     torch.save({"planted": Payload(marker)}, model / "pytorch_model.bin")
-    done = subprocess.run(predict, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    done = run(predict, check=False)
     assert done.returncode == 2 and done.stderr.splitlines() == [
         f"error: cannot load the exported model in {model}: Error no file named model.safetensors found in directory "
         f"{model}. (predict.py reads the model.safetensors train.py exports)"], done.stderr[-3000:]
