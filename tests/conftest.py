@@ -67,13 +67,24 @@ FORKED_SCRIPTS = ("train.py", "predict.py")
 # imported as the scripts run: the demo's BERT, datasets' readers, and DeepSpeed (save_pretrained imports it, with
 # MLflow, wherever it is installed); a library missing here is skipped
 RUN_TIME_IMPORTS = ("datasets", "deepspeed", "transformers.models.bert.modeling_bert")
-_forkserver = {}  # "env": what it imported the scripts under
+_forkserver = {}  # "env": what it imports the scripts under
+# set in os.environ as tests run (by pytest, and by runs in a test's own process), and read by nothing at import
+RUN_TIME_VARIABLES = ("PYTEST_CURRENT_TEST", "PL_GLOBAL_SEED", "PL_SEED_WORKERS", "KMP_DUPLICATE_LIB_OK",
+                      "_MLFLOW_TELEMETRY_SESSION_ID")
+
+
+def _at_import(env: dict) -> dict:
+    return {name: value for name, value in env.items() if name not in RUN_TIME_VARIABLES}
+
+
+def pytest_collection_finish(session):
+    # the runs' standard environment, once collection's imports have set theirs and before any test changes it
+    _forkserver["env"] = _at_import(subprocess_env())
 
 
 def forkable(command: list, env: dict) -> bool:
-    at_import = {name: value for name, value in env.items() if name != "PYTEST_CURRENT_TEST"}  # pytest's, per test
     return (not os.environ.get("FABRIC_TEMPLATE_TESTS_FRESH") and command[0] == sys.executable and len(command) > 1
-            and command[1] in FORKED_SCRIPTS and at_import == _forkserver.setdefault("env", at_import))
+            and command[1] in FORKED_SCRIPTS and _at_import(env) == _forkserver.get("env"))
 
 
 def _start_forkserver() -> None:
