@@ -58,56 +58,68 @@ def subprocess_env() -> dict:
     return env
 
 
-# ``python train.py`` (or predict.py) without its seconds of imports: forked from a process that imported the scripts
-# once per test worker (multiprocessing's forkserver), the script runs as ``__main__`` with the arguments, environment,
-# output files and session of its own that a fresh interpreter would have. A run in another environment (libraries
-# read some of it at import, such as the CPU shims on PYTHONPATH) starts a fresh interpreter, as every run does with
-# FABRIC_TEMPLATE_TESTS_FRESH=1.
-FORKED_SCRIPTS = ("train.py", "predict.py")
+# ``python train.py`` (or another script that imports it) without its seconds of imports: forked from a process that
+# imported them (multiprocessing's forkserver), one per environment the test worker runs scripts under (libraries read
+# some of it at import, such as the CPU shims on PYTHONPATH), the script runs as ``__main__`` with the arguments,
+# environment, output files and session of its own that a fresh interpreter would have. Every run starts a fresh
+# interpreter with FABRIC_TEMPLATE_TESTS_FRESH=1.
+FORKED_SCRIPTS = ("train.py", "predict.py", "tests/pretrained_probe.py", "tests/shims/zero_probe.py")
 # imported as the scripts run: the demo's BERT, datasets' readers, and DeepSpeed (save_pretrained imports it, with
 # MLflow, wherever it is installed); a library missing here is skipped
 RUN_TIME_IMPORTS = ("datasets", "deepspeed", "transformers.models.bert.modeling_bert")
-_forkserver = {}  # "env": what it imports the scripts under
-# set in os.environ as tests run (by pytest, and by runs in a test's own process), and read by nothing at import
+# set in os.environ as tests run (by pytest, and by runs in a test's own process), or read by the scripts alone
 RUN_TIME_VARIABLES = ("PYTEST_CURRENT_TEST", "PL_GLOBAL_SEED", "PL_SEED_WORKERS", "KMP_DUPLICATE_LIB_OK",
-                      "_MLFLOW_TELEMETRY_SESSION_ID")
+                      "_MLFLOW_TELEMETRY_SESSION_ID", "PROBE_OUT", "PROBE_LR0")
+_forkservers = {}  # the environment it imported under (sorted items) -> its ForkServer
+_standard = {}  # "env": the runs' standard environment, whose forkserver every test module keeps
 
 
-def _at_import(env: dict) -> dict:
-    return {name: value for name, value in env.items() if name not in RUN_TIME_VARIABLES}
+def _at_import(env: dict) -> tuple:
+    return tuple(sorted((name, value) for name, value in env.items() if name not in RUN_TIME_VARIABLES))
 
 
 def pytest_collection_finish(session):
-    # the runs' standard environment, once collection's imports have set theirs and before any test changes it
-    _forkserver["env"] = _at_import(subprocess_env())
+    # once collection's imports have set their variables, and before any test changes os.environ
+    _standard["env"] = _at_import(subprocess_env())
 
 
-def forkable(command: list, env: dict) -> bool:
+@pytest.fixture(scope="module", autouse=True)
+def _stop_other_forkservers():
+    """Each forkserver holds ~600 MB: those of a test module's own environments stop with it."""
+    yield
+    for env in [env for env in _forkservers if env != _standard.get("env")]:
+        _forkservers.pop(env)._stop()
+
+
+def forkable(command: list) -> bool:
     return (not os.environ.get("FABRIC_TEMPLATE_TESTS_FRESH") and command[0] == sys.executable and len(command) > 1
-            and command[1] in FORKED_SCRIPTS and _at_import(env) == _forkserver.get("env"))
+            and command[1] in FORKED_SCRIPTS)
 
 
-def _start_forkserver() -> None:
-    scripts = [script.removesuffix(".py") for script in FORKED_SCRIPTS]
-    multiprocessing.set_forkserver_preload([*scripts, *RUN_TIME_IMPORTS])
-    saved, here = dict(os.environ), os.getcwd()
-    try:  # it inherits the runs' environment, and imports the scripts from their folder
-        os.environ.clear()
-        os.environ.update(_forkserver["env"])
-        os.chdir(REPO)
-        multiprocessing.forkserver.ensure_running()
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-        os.chdir(here)
-    _forkserver["started"] = True
+def _forkserver(env: dict) -> multiprocessing.forkserver.ForkServer:
+    key = _at_import(env)
+    if key not in _forkservers:
+        server = multiprocessing.forkserver.ForkServer()
+        server.set_forkserver_preload([*(script.removesuffix(".py") for script in FORKED_SCRIPTS[:2]),
+                                       *RUN_TIME_IMPORTS])
+        saved, here = dict(os.environ), os.getcwd()
+        try:  # it inherits the environment, and imports the scripts from their folder
+            os.environ.clear()
+            os.environ.update(key)
+            os.chdir(REPO)
+            server.ensure_running()
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+            os.chdir(here)
+        _forkservers[key] = server
+    return _forkservers[key]
 
 
 def _run_script(argv: list, env: dict, stdout: str, stderr: str) -> None:
     os.setsid()  # a session and process group of its own, as start_new_session=True gives
     os.chdir(REPO)
-    os.environ.clear()
-    os.environ.update(env)
+    os.environ.update(env)  # over the forkserver's: what its imports set stays, as a fresh interpreter's would
     for fd, path in ((1, stdout), (2, stderr)):
         os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND), fd)
     sys.argv = [os.fspath(arg) for arg in argv]
@@ -122,13 +134,16 @@ class ForkedRun:
     ``stdout`` and ``stderr`` (the same one for both: merged)."""
 
     def __init__(self, command: list, env: dict, stdout: Path, stderr: Path):
-        if "started" not in _forkserver:
-            _start_forkserver()
         self.args = command
         # not a daemon: a run's DataLoader workers are multiprocessing children of their own
         self.process = multiprocessing.get_context("forkserver").Process(
             target=_run_script, args=(command[1:], env, str(stdout), str(stderr)))
-        self.process.start()
+        default = multiprocessing.forkserver.connect_to_new_process  # multiprocessing's one forkserver
+        multiprocessing.forkserver.connect_to_new_process = _forkserver(env).connect_to_new_process
+        try:
+            self.process.start()
+        finally:
+            multiprocessing.forkserver.connect_to_new_process = default
         self.pid = self.process.pid
 
     @property
@@ -149,12 +164,17 @@ class ForkedRun:
         return self.process.exitcode
 
 
+def shimmed(**switches: str) -> dict:
+    """The environment that runs a Python process under the test-only CPU shims (tests/shims), these switched on."""
+    return {**switches, "PYTHONPATH": os.pathsep.join([str(SHIMS), str(REPO)])}
+
+
 def run(command: list, timeout=600, deepspeed_cpu=False, check=True) -> subprocess.CompletedProcess:
     """Runs a command from the repository root; with ``deepspeed_cpu``, under the test-only DeepSpeed CPU shim."""
     env = subprocess_env()
     if deepspeed_cpu:
-        env.update(FABRIC_TEMPLATE_DEEPSPEED_CPU="1", PYTHONPATH=os.pathsep.join([str(SHIMS), str(REPO)]))
-    if forkable(command, env):
+        env.update(shimmed(FABRIC_TEMPLATE_DEEPSPEED_CPU="1"))
+    if forkable(command):
         with tempfile.TemporaryDirectory() as folder:
             stdout, stderr = Path(folder) / "stdout", Path(folder) / "stderr"
             forked = ForkedRun(command, env, stdout, stderr)
@@ -241,14 +261,15 @@ def when_saved(jobs: dict, timeout=300, or_later=False) -> None:
 
 
 class Job:
-    """``python train.py ...`` running in the background, its output in ``<out_dir>.log``."""
+    """``python train.py ...`` running in the background, its output in ``<out_dir>.log``; ``env``: variables set
+    for it."""
 
-    def __init__(self, out_dir: Path, *flags: str, launcher: tuple = ()):
+    def __init__(self, out_dir: Path, *flags: str, launcher: tuple = (), env: dict | None = None):
         self.out_dir = out_dir
         self.log = out_dir.with_name(out_dir.name + f"-{time.monotonic_ns()}.log")
         self.command = [sys.executable, *launcher, "train.py", "--out-dir", str(out_dir), *flags]
-        env = subprocess_env()
-        if forkable(self.command, env):
+        env = {**subprocess_env(), **(env or {})}
+        if forkable(self.command):
             self.log.write_text("")
             self.proc = ForkedRun(self.command, env, self.log, self.log)
             return

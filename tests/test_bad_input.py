@@ -21,7 +21,7 @@ import pandas as pd
 import pytest
 import torch
 
-from conftest import REPO, fabric_cli, forkable, run, subprocess_env
+from conftest import REPO, fabric_cli, forkable, run, shimmed, subprocess_env
 from data.demo import make_review, prepare_demo
 from fabric_utils.checkpoint import write_manifest
 
@@ -313,12 +313,16 @@ def test_help_and_a_bad_flag_answer_at_once(flags):
         assert done.stderr == "error: argument --warmup: must be zero or positive, got -0.5\n"
 
 
-def test_a_forked_run_reports_what_a_fresh_interpreter_does(tmp_path, monkeypatch):
-    """The tests' runs are forked from a process that imported train.py's libraries (tests/conftest.py): a run that
-    stops after its imports gives the same status and output as ``python train.py`` does."""
+@pytest.mark.parametrize("env", [{}, shimmed(FABRIC_TEMPLATE_DEEPSPEED_CPU="1")], ids=["plain", "shimmed"])
+def test_a_forked_run_reports_what_a_fresh_interpreter_does(tmp_path, monkeypatch, env):
+    """The tests' runs are forked from a process that imported train.py's libraries under the run's environment
+    (tests/conftest.py): a run that stops after its imports gives the same status and output as ``python train.py``
+    does."""
     command = [sys.executable, "train.py", "--model", MODEL, *QUICK, "--dataset", str(tmp_path / "nowhere.csv"),
                "--out-dir", str(tmp_path / "run")]
-    assert forkable(command, subprocess_env())
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert forkable(command)
     forked = run(command, check=False)
     monkeypatch.setenv("FABRIC_TEMPLATE_TESTS_FRESH", "1")
     fresh = run(command, check=False)

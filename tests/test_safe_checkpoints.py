@@ -11,7 +11,6 @@ import json
 import os
 import pickle
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -19,7 +18,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import REPO, SHIMS, run, subprocess_env
+from conftest import Job, run, shimmed
 from fabric_utils.checkpoint import find_resume_checkpoint, load_weights, verify, write_manifest
 from fabric_utils.errors import UserError
 from fabric_utils.safe_pickle import load_torch_file
@@ -47,16 +46,10 @@ class Payload:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("safe")
-    procs = {}
-    for name, (flags, shim) in STRATEGIES.items():
-        env = {**subprocess_env(), **shim}
-        if shim:
-            env["PYTHONPATH"] = os.pathsep.join([str(SHIMS), str(REPO)])
-        procs[name] = subprocess.Popen([sys.executable, "train.py", *TINY, *flags, "--out-dir", str(root / name)],
-                                       cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    for name, proc in procs.items():
-        output = proc.communicate(timeout=600)[0]
-        assert proc.returncode == 0, f"{name}: exit {proc.returncode}\n{output[-3000:]}"
+    jobs = [Job(root / name, *TINY, *flags, env=shimmed(**shim) if shim else None)
+            for name, (flags, shim) in STRATEGIES.items()]
+    for job in jobs:
+        job.results()
     return root
 
 
