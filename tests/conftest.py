@@ -63,31 +63,27 @@ def subprocess_env() -> dict:
 # some of it at import, such as the CPU shims on PYTHONPATH), the script runs as ``__main__`` with the arguments,
 # environment, output files and session of its own that a fresh interpreter would have. Every run starts a fresh
 # interpreter with FABRIC_TEMPLATE_TESTS_FRESH=1.
-FORKED_SCRIPTS = ("train.py", "predict.py", "tests/pretrained_probe.py", "tests/shims/zero_probe.py")
-# imported as the scripts run: the demo's BERT, datasets' readers, and DeepSpeed (save_pretrained imports it, with
-# MLflow, wherever it is installed); a library missing here is skipped
-RUN_TIME_IMPORTS = ("datasets", "deepspeed", "transformers.models.bert.modeling_bert")
+FORKED_SCRIPTS = ("train.py", "predict.py", "tests/pretrained_probe.py", "tests/shims/zero_probe.py",
+                  "tests/infra/eval_sweep_job.py", "tests/fsdp2_precision_probe.py")
+# what a forkserver imports: the scripts, then what they import as they run (datasets' readers, DeepSpeed, which
+# save_pretrained imports with MLflow wherever it is installed, and the demo's BERT); a library missing here is skipped
+PRELOADED = ("train", "predict", "datasets", "deepspeed", "transformers.models.bert.modeling_bert")
 # set in os.environ as tests run (by pytest, and by runs in a test's own process), or read by the scripts alone
 RUN_TIME_VARIABLES = ("PYTEST_CURRENT_TEST", "PL_GLOBAL_SEED", "PL_SEED_WORKERS", "KMP_DUPLICATE_LIB_OK",
                       "_MLFLOW_TELEMETRY_SESSION_ID", "PROBE_OUT", "PROBE_LR0")
-_forkservers = {}  # the environment it imported under (sorted items) -> its ForkServer
-_standard = {}  # "env": the runs' standard environment, whose forkserver every test module keeps
+MAX_FORKSERVERS = 3  # kept by a test worker between test modules, the most recently used: each holds ~600 MB
+_forkservers = {}  # the environment it imported under (sorted items) -> its ForkServer, the most recently used last
 
 
 def _at_import(env: dict) -> tuple:
     return tuple(sorted((name, value) for name, value in env.items() if name not in RUN_TIME_VARIABLES))
 
 
-def pytest_collection_finish(session):
-    # once collection's imports have set their variables, and before any test changes os.environ
-    _standard["env"] = _at_import(subprocess_env())
-
-
 @pytest.fixture(scope="module", autouse=True)
-def _stop_other_forkservers():
-    """Each forkserver holds ~600 MB: those of a test module's own environments stop with it."""
+def _stop_unused_forkservers():
+    """Stops forkservers at a test module's end, when none of its runs is left running."""
     yield
-    for env in [env for env in _forkservers if env != _standard.get("env")]:
+    for env in list(_forkservers)[:-MAX_FORKSERVERS]:
         _forkservers.pop(env)._stop()
 
 
@@ -98,10 +94,11 @@ def forkable(command: list) -> bool:
 
 def _forkserver(env: dict) -> multiprocessing.forkserver.ForkServer:
     key = _at_import(env)
-    if key not in _forkservers:
+    if key in _forkservers:
+        _forkservers[key] = _forkservers.pop(key)
+    else:
         server = multiprocessing.forkserver.ForkServer()
-        server.set_forkserver_preload([*(script.removesuffix(".py") for script in FORKED_SCRIPTS[:2]),
-                                       *RUN_TIME_IMPORTS])
+        server.set_forkserver_preload(list(PRELOADED))
         saved, here = dict(os.environ), os.getcwd()
         try:  # it inherits the environment, and imports the scripts from their folder
             os.environ.clear()
