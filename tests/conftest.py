@@ -58,9 +58,9 @@ def subprocess_env() -> dict:
     return env
 
 
-# ``python train.py`` (or another script that imports it) without its seconds of imports: forked from a process that
-# imported them (multiprocessing's forkserver), one per environment the test worker runs scripts under (libraries read
-# some of it at import, such as the CPU shims on PYTHONPATH), the script runs as ``__main__`` with the arguments,
+# ``python train.py`` (or a test script built on its helpers) without its seconds of imports: forked from a process
+# that imported them (multiprocessing's forkserver), one per environment the test worker runs scripts under (libraries
+# read some of it at import, such as the CPU shims on PYTHONPATH). The script runs as ``__main__`` with the arguments,
 # environment, output files and session of its own that a fresh interpreter would have. Every run starts a fresh
 # interpreter with FABRIC_TEMPLATE_TESTS_FRESH=1.
 FORKED_SCRIPTS = ("train.py", "predict.py", "tests/pretrained_probe.py", "tests/shims/zero_probe.py",
@@ -94,23 +94,20 @@ def forkable(command: list) -> bool:
 
 def _forkserver(env: dict) -> multiprocessing.forkserver.ForkServer:
     key = _at_import(env)
-    if key in _forkservers:
-        _forkservers[key] = _forkservers.pop(key)
-    else:
-        server = multiprocessing.forkserver.ForkServer()
-        server.set_forkserver_preload(list(PRELOADED))
-        saved, here = dict(os.environ), os.getcwd()
-        try:  # it inherits the environment, and imports the scripts from their folder
-            os.environ.clear()
-            os.environ.update(key)
-            os.chdir(REPO)
-            server.ensure_running()
-        finally:
-            os.environ.clear()
-            os.environ.update(saved)
-            os.chdir(here)
-        _forkservers[key] = server
-    return _forkservers[key]
+    server = _forkservers.pop(key, None) or multiprocessing.forkserver.ForkServer()
+    _forkservers[key] = server  # the most recently used last
+    server.set_forkserver_preload(list(PRELOADED))
+    saved, here = dict(os.environ), os.getcwd()
+    try:  # started (or, if it died, restarted) under the environment, importing the scripts from their folder
+        os.environ.clear()
+        os.environ.update(key)
+        os.chdir(REPO)
+        server.ensure_running()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+        os.chdir(here)
+    return server
 
 
 def _run_script(argv: list, env: dict, stdout: str, stderr: str) -> None:

@@ -4,7 +4,6 @@ whose forward pass overflows fp16 does not stop the run; how --precision auto re
 lost updates."""
 
 import math
-import os
 import shutil
 import sys
 import warnings
@@ -15,7 +14,7 @@ import torch
 from torchmetrics import MetricCollection
 from torchmetrics.regression import MeanSquaredError
 
-from conftest import REPO, SHIMS, SMALL_DEMO, build_fabric_from_flags, logged, run, train
+from conftest import SMALL_DEMO, build_fabric_from_flags, logged, run, shimmed, train
 from fabric_utils.launcher import warn_if_updates_vanish
 from fabric_utils.progress import Progress
 
@@ -26,8 +25,8 @@ OVERFLOWING = [*FP16_CPU, "--max-steps", STEPS, "--save-every", RESUME_AT, "--ke
 
 def use_fp16_cpu(monkeypatch) -> None:
     """Child processes get real fp16 autocast and a GradScaler on CPU (tests/shims/sitecustomize.py)."""
-    monkeypatch.setenv("FABRIC_TEMPLATE_FP16_CPU", "1")
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(SHIMS), str(REPO)]))
+    for name, value in shimmed(FABRIC_TEMPLATE_FP16_CPU="1").items():
+        monkeypatch.setenv(name, value)
 
 
 @pytest.fixture

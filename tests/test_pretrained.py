@@ -4,7 +4,6 @@ set-up, its values are the pretrained model's all the same, and every strategy t
 goes through tests/pretrained_probe.py, which records what each rank saw."""
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -12,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import REPO, SHIMS, SMALL_DEMO, run
+from conftest import SMALL_DEMO, run, shimmed
 
 SHARDED = ("fsdp", "fsdp2", "deepspeed_stage_3")
 TWO_CPUS = ["--accelerator", "cpu", "--devices", "2", "--precision", "32-true"]
@@ -26,8 +25,8 @@ def probe(root: Path, name: str, strategy: str, flags: list, lr0: bool = False, 
     """Runs train.py with ``flags`` under the probe into ``root/run_dir`` (default: ``name``); its results.json, its
     folder, and each rank's record (in ``root/name-probe``)."""
     out_dir, found = root / (run_dir or name), root / f"{name}-probe"
-    env = {"PROBE_OUT": str(found), "FABRIC_TEMPLATE_FSDP_CPU": "1", "FABRIC_TEMPLATE_DEEPSPEED_CPU": "1",
-           "PYTHONPATH": os.pathsep.join([str(SHIMS), str(REPO)]), "PROBE_LR0": "1" if lr0 else "0"}
+    env = {"PROBE_OUT": str(found), "PROBE_LR0": "1" if lr0 else "0",
+           **shimmed(FABRIC_TEMPLATE_FSDP_CPU="1", FABRIC_TEMPLATE_DEEPSPEED_CPU="1")}
     with pytest.MonkeyPatch.context() as patch:
         for variable, value in env.items():
             patch.setenv(variable, value)
