@@ -384,6 +384,14 @@ def skipped_steps(run: Path, steps: int) -> int | None:
     return round(math.log2(INIT_SCALE / scaler["scale"]))
 
 
+def start(command: list, env: dict, log: Path) -> subprocess.Popen:
+    """``command`` from the repository root, its output in ``log``, in a process group of its own: a run that hangs
+    is ended with every rank it started."""
+    with open(log, "w") as output:
+        return subprocess.Popen(command, cwd=ROOT, env=env, stdout=output, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+
 def run_row(row: Row, out: Path, env: dict, window: dict | None = None) -> None:
     """Runs ``row`` (under bench/profile_steps.py with ``window``, if it is profiled) and fills in its results."""
     run = out / "runs" / f"{row.section.split(':')[0]}-{row.name}".replace(" ", "_").replace(",", "").replace(
@@ -395,16 +403,14 @@ def run_row(row: Row, out: Path, env: dict, window: dict | None = None) -> None:
                         *(str(item) for pair in (window or GPU_WINDOW).items() for item in pair)]
     log = run.parent / f"{run.name}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
-    start = time.monotonic()
-    with open(log, "w") as output:  # its own process group: a run that hangs is ended with every rank it started
-        proc = subprocess.Popen(command, cwd=ROOT, env={**env, **row.env}, stdout=output, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-        try:
-            returncode = proc.wait(ROW_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            returncode = proc.wait()
-    row.seconds = time.monotonic() - start
+    started = time.monotonic()
+    proc = start(command, {**env, **row.env}, log)
+    try:
+        returncode = proc.wait(ROW_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        returncode = proc.wait()
+    row.seconds = time.monotonic() - started
     if returncode != 0:
         text = log.read_text()
         row.status = "out of memory" if "out of memory" in text.lower() else "failed"

@@ -58,13 +58,14 @@ def subprocess_env() -> dict:
     return env
 
 
-# ``python train.py`` (or a test script built on its helpers) without its seconds of imports: forked from a process
-# that imported them (multiprocessing's forkserver), one per environment the test worker runs scripts under (libraries
-# read some of it at import, such as the CPU shims on PYTHONPATH). The script runs as ``__main__`` with the arguments,
-# environment, output files and session of its own that a fresh interpreter would have. Every run starts a fresh
-# interpreter with FABRIC_TEMPLATE_TESTS_FRESH=1.
+# ``python train.py`` (or a script built on it or its helpers: the tests' probes, the GPU check's profiler and peer)
+# without its seconds of imports: forked from a process that imported them (multiprocessing's forkserver), one per
+# environment the test worker runs scripts under (libraries read some of it at import, such as the CPU shims on
+# PYTHONPATH). The script runs as ``__main__`` with the arguments, environment, output files and session of its own
+# that a fresh interpreter would have. Every run starts a fresh interpreter with FABRIC_TEMPLATE_TESTS_FRESH=1.
 FORKED_SCRIPTS = ("train.py", "predict.py", "tests/pretrained_probe.py", "tests/shims/zero_probe.py",
-                  "tests/infra/eval_sweep_job.py", "tests/fsdp2_precision_probe.py")
+                  "tests/infra/eval_sweep_job.py", "tests/fsdp2_precision_probe.py", "bench/profile_steps.py",
+                  "bench/hf_trainer.py")
 # what a forkserver imports: the scripts, then what they import as they run (datasets' readers, DeepSpeed, which
 # save_pretrained imports with MLflow wherever it is installed, and the demo's BERT); a library missing here is skipped
 PRELOADED = ("train", "predict", "datasets", "deepspeed", "transformers.models.bert.modeling_bert")
@@ -156,6 +157,17 @@ class ForkedRun:
         if self.process.exitcode is None:
             raise subprocess.TimeoutExpired(self.args, timeout)
         return self.process.exitcode
+
+
+def popen(command: list, env: dict, log: Path) -> subprocess.Popen | ForkedRun:
+    """``command`` started from the repository root, its output in ``log``, in a process group of its own (a test
+    can wait for every process of a multi-process run); forked where it can be."""
+    if forkable(command):
+        log.write_text("")
+        return ForkedRun(command, env, log, log)
+    with open(log, "w") as output:
+        return subprocess.Popen(command, cwd=REPO, env=env, stdout=output, stderr=subprocess.STDOUT,
+                                start_new_session=True)
 
 
 def shimmed(**switches: str) -> dict:
@@ -262,15 +274,7 @@ class Job:
         self.out_dir = out_dir
         self.log = out_dir.with_name(out_dir.name + f"-{time.monotonic_ns()}.log")
         self.command = [sys.executable, *launcher, "train.py", "--out-dir", str(out_dir), *flags]
-        env = {**subprocess_env(), **(env or {})}
-        if forkable(self.command):
-            self.log.write_text("")
-            self.proc = ForkedRun(self.command, env, self.log, self.log)
-            return
-        with open(self.log, "w") as log:
-            # own process group: a test can wait for every process of a multi-process run
-            self.proc = subprocess.Popen(self.command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
+        self.proc = popen(self.command, {**subprocess_env(), **(env or {})}, self.log)
 
     def wait(self, timeout=300) -> int:
         try:

@@ -2,12 +2,11 @@
 CPU stand-in or skipped with its reason, so the command cannot rot before a GPU run."""
 
 import json
-import sys
 
 import pytest
 import torch
 
-from conftest import REPO, run, subprocess_env
+from conftest import LAUNCH_VARIABLES, REPO, popen, subprocess_env
 
 SECTIONS = ["peers, same call", "one GPU: all-MiniLM-L6-v2, pretrained", "one GPU: random weights, length 512",
             "bigger than one device: memory capped below the training state",
@@ -15,11 +14,24 @@ SECTIONS = ["peers, same call", "one GPU: all-MiniLM-L6-v2, pretrained", "one GP
             "decoder LLMs as classifiers: random weights, length 512"]
 
 
-def test_the_dry_run_writes_every_row_measured_or_skipped_with_a_reason(tmp_path):
-    sys.path.insert(0, str(REPO / "bench"))
+@pytest.fixture
+def gpu_check(monkeypatch):
+    """bench/gpu_check.py run in this process under the tests' environment, its rows started as the tests start
+    runs (forked where they can be)."""
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    monkeypatch.chdir(REPO)
+    for name, value in subprocess_env().items():
+        monkeypatch.setenv(name, value)
+    for name in LAUNCH_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
     import gpu_check
 
-    run([sys.executable, "bench/gpu_check.py", "--dry-run", "--out", str(tmp_path), "--peak-tflops", "1"])
+    monkeypatch.setattr(gpu_check, "start", popen)
+    return gpu_check
+
+
+def test_the_dry_run_writes_every_row_measured_or_skipped_with_a_reason(tmp_path, gpu_check):
+    assert gpu_check.main(["--dry-run", "--out", str(tmp_path), "--peak-tflops", "1"]) == 0
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     rows = report["rows"]
     assert [section for section in dict.fromkeys(row["section"] for row in rows)] == SECTIONS
@@ -74,17 +86,15 @@ def test_the_dry_run_writes_every_row_measured_or_skipped_with_a_reason(tmp_path
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
-def test_without_a_gpu_it_asks_for_one_or_the_dry_run(tmp_path):
-    result = run([sys.executable, "bench/gpu_check.py", "--out", str(tmp_path)], check=False)
-    assert result.returncode == 2
-    assert "no CUDA GPU here: run it on a GPU machine, or --dry-run" in result.stderr.splitlines()[-1]
-    assert not (REPO / "gpu_check.md").exists()
+def test_without_a_gpu_it_asks_for_one_or_the_dry_run(tmp_path, gpu_check, capsys):
+    with pytest.raises(SystemExit) as exited:
+        gpu_check.main(["--out", str(tmp_path)])
+    assert exited.value.code == 2
+    assert "no CUDA GPU here: run it on a GPU machine, or --dry-run" in capsys.readouterr().err.splitlines()[-1]
+    assert not list(tmp_path.iterdir()) and not (REPO / "gpu_check.md").exists()
 
 
-def test_a_row_that_fails_is_reported_with_its_last_line_and_its_log(tmp_path):
-    sys.path.insert(0, str(REPO / "bench"))
-    import gpu_check
-
+def test_a_row_that_fails_is_reported_with_its_last_line_and_its_log(tmp_path, gpu_check):
     row = gpu_check.Row("one GPU", "bad flag", ["--demo", "--epochs", "0"])
     gpu_check.run_row(row, tmp_path, subprocess_env())
     assert (row.status, row.ok) == ("failed", False)

@@ -23,8 +23,9 @@ from data.demo import prepare_demo  # noqa: E402
 # size of each such block it frees: FSDP2's all-gather buffers, freed every step, then stay in its heap and count in
 # the rank's peak. A fixed threshold keeps the peaks to what each rank holds
 ALLOCATOR = {"MALLOC_MMAP_THRESHOLD_": str(2**20)}
-# JOB with 2 rows of 8 tokens a batch: the peaks are the weights' (bf16 autocast is emulated, slowly, on most CPUs)
-SHORT = {"--batch-size": "2", "--max-length": "8", "--val-size": "4", "--test-size": "4"}
+# JOB with 2 rows of 8 tokens a batch, for 2 steps (the second gathers again what the first freed): the peaks are the
+# weights' (bf16 autocast is emulated, slowly, on most CPUs)
+SHORT = {"--batch-size": "2", "--max-length": "8", "--val-size": "4", "--test-size": "4", "--max-steps": "2"}
 SHORT_JOB = [SHORT.get(flag, value) for flag, value in zip(["", *JOB], JOB)]  # each value after its flag
 
 
