@@ -64,8 +64,8 @@ def subprocess_env() -> dict:
 # PYTHONPATH). The script runs as ``__main__`` with the arguments, environment, output files and session of its own
 # that a fresh interpreter would have. Every run starts a fresh interpreter with FABRIC_TEMPLATE_TESTS_FRESH=1.
 FORKED_SCRIPTS = ("train.py", "predict.py", "tests/pretrained_probe.py", "tests/shims/zero_probe.py",
-                  "tests/infra/eval_sweep_job.py", "tests/fsdp2_precision_probe.py", "bench/profile_steps.py",
-                  "bench/hf_trainer.py")
+                  "tests/infra/eval_sweep_job.py", "tests/infra/plain_module_job.py", "tests/fsdp2_precision_probe.py",
+                  "bench/profile_steps.py", "bench/hf_trainer.py", "bench/stuck_line.py")
 # what a forkserver imports: the scripts, then what they import as they run (datasets' readers, DeepSpeed, which
 # save_pretrained imports with MLflow wherever it is installed, and the demo's BERT); a library missing here is skipped
 PRELOADED = ("train", "predict", "datasets", "deepspeed", "transformers.models.bert.modeling_bert")

@@ -9,7 +9,7 @@ import pytest
 
 from conftest import REPO, run
 
-JOB = str(REPO / "tests" / "infra" / "plain_module_job.py")
+JOB = "tests/infra/plain_module_job.py"  # from the repository root, where conftest.run runs it
 
 
 @pytest.mark.parametrize("strategy", ["ddp"])
