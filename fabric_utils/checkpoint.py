@@ -169,12 +169,13 @@ def damage(path: Path, contents: bool = True) -> str | None:
     return None
 
 
-def step_checkpoints(root: Path, report: Callable[[str], None] | None = None, contents: bool = False) -> list[Path]:
-    """Whole step checkpoints under ``root``, oldest first; ``report`` is told of each damaged one."""
+def step_checkpoints(root: Path, report: Callable[[str], None] | None = None) -> list[Path]:
+    """Whole step checkpoints under ``root`` (by their manifests: hashes are checked on load), oldest first; ``report``
+    is told of each damaged one."""
     found = []
     for path in sorted((p for p in root.glob("step-*") if p.is_dir() and STEP_PATTERN.match(p.name)),
                        key=lambda p: int(STEP_PATTERN.match(p.name).group(1))):
-        problem = damage(path, contents)
+        problem = damage(path, contents=False)
         if problem is None:
             found.append(path)
         elif report:

@@ -11,7 +11,7 @@ from lightning.fabric.utilities.load import _load_distributed_checkpoint
 from lightning.fabric.wrappers import _unwrap_compiled
 # per-module activation checkpointing, which FSDP2 and torchtitan use: PyTorch keeps it only in this private module
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-    CheckpointWrapper, apply_activation_checkpointing, checkpoint_wrapper)
+    CheckpointWrapper, apply_activation_checkpointing)
 # tensors with shapes and no memory that transformers treats as traced (it skips reading their values): FLOP counting
 from torch._subclasses.fake_tensor import FakeTensorMode
 # torch.compile's own counts: graphs compiled so far, recompiles included (Throughput counts those after warm-up)

@@ -8,7 +8,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from fabric_utils import strategy
 from fabric_utils.errors import UserError
-from fabric_utils.private import CheckpointWrapper, _unwrap_compiled, apply_activation_checkpointing, checkpoint_wrapper
+from fabric_utils.private import CheckpointWrapper, _unwrap_compiled, apply_activation_checkpointing
 
 
 def block_classes(model: nn.Module, required: bool = True) -> tuple[type, ...]:
@@ -32,8 +32,7 @@ def recompute_blocks(model: nn.Module) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         return
     blocks = block_classes(model)
-    apply_activation_checkpointing(model, checkpoint_wrapper_fn=checkpoint_wrapper,
-                                   check_fn=lambda module: isinstance(module, blocks))
+    apply_activation_checkpointing(model, check_fn=lambda module: isinstance(module, blocks))
 
 
 class BlockPolicy:
@@ -58,8 +57,7 @@ def shard_blocks(model: nn.Module, device_mesh, grad_checkpointing: bool,
     """``--strategy fsdp2``'s ``parallelize_fn``: ``fully_shard`` each block (recomputed inside it), then the root."""
     blocks = block_classes(model)
     if grad_checkpointing:
-        apply_activation_checkpointing(model, checkpoint_wrapper_fn=checkpoint_wrapper,
-                                       check_fn=lambda module: isinstance(module, blocks))
+        apply_activation_checkpointing(model, check_fn=lambda module: isinstance(module, blocks))
         blocks = (CheckpointWrapper,)
     mesh = device_mesh["data_parallel"]
     for module in reversed(list(model.modules())):  # innermost first
