@@ -34,8 +34,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-
-
 def assert_like_one_node(results: dict, one_node: dict) -> None:
     assert results["world_size"] == one_node["world_size"] and results["environment"]["num_nodes"] == 2
     assert results["steps"] == one_node["steps"]
