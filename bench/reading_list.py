@@ -1,8 +1,8 @@
-"""What a reader opens, in whole files (blank and comment lines included): train.py and the public contract
-(fabric_utils/__init__.py, what the loop may call, and fabric_utils/task_spec.py, what a task gives); the loop
-(train.py and every fabric_utils module it reaches through imports); and the files whose code one optimizer step runs,
-traced in this process through a short run of the checkout's own task (its TEST_FLAGS) on one CPU, with the lines
-of the functions it runs there.
+"""What a reader carries: the checkout's files a default run imports (counted by running it and listing, at exit, the
+project files in its ``sys.modules``), in code lines (no blank, comment or docstring lines), per module; the
+fabric_utils modules it does not import (optional: loaded when a flag asks) beside them; and the files whose code one
+optimizer step runs, traced in this process through a short run of the checkout's own task (its TEST_FLAGS) on one
+CPU, with the lines of the functions it runs there.
 
     .venv/bin/python bench/reading_list.py [REPO]      # REPO: a checkout or a `git worktree` of another commit
 """
@@ -10,52 +10,68 @@ of the functions it runs there.
 import ast
 import contextlib
 import io
+import json
 import os
 import runpy
+import subprocess
 import sys
 import tempfile
 import threading
+import tokenize
 from pathlib import Path
 
 PACKAGE = "fabric_utils"
 STEP = 5  # the optimizer step traced: past the first ones, which build and compile
+RUNS = {"train.py --demo": ["--demo", "--max-steps", "2"],
+        "rank 0 of --demo --devices 2 --strategy fsdp2": ["--demo", "--max-steps", "2", "--devices", "2",
+                                                          "--strategy", "fsdp2"]}
+# in the measured process: at exit, the checkout's files among the imported modules (rank 0 alone registers it, as
+# Fabric starts the other ranks as plain `python train.py`)
+RECORD = """
+import atexit, json, os, runpy, sys
+repo, train, record = sys.argv[1:4]
+sys.path.insert(0, os.path.dirname(train))  # as `python train.py` puts it first
+def write():
+    files = {getattr(module, "__file__", None) for module in list(sys.modules.values())}
+    with open(record, "w") as out:
+        json.dump(sorted(f for f in files if f and f.startswith(repo)), out)
+atexit.register(write)
+sys.argv = [train, *sys.argv[4:]]
+runpy.run_path(train, run_name="__main__")
+"""
 
 
-def module_file(repo: Path, name: str) -> Path | None:
-    path = repo / name.replace(".", "/")
-    return path / "__init__.py" if path.is_dir() else path.with_suffix(".py") if path.with_suffix(".py").is_file() \
-        else None
+def code_lines(path: Path) -> int:
+    """Lines that hold code: not blank, not only a comment, not part of a module's, class's or function's docstring."""
+    text = path.read_text()
+    docstrings = set()
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value,
+                                                                                                     str):
+                docstrings.update(range(first.lineno, first.end_lineno + 1))
+    code = set()
+    layout = (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER)
+    for token in tokenize.generate_tokens(io.StringIO(text).readline):
+        if token.type not in layout:
+            code.update(range(token.start[0], token.end[0] + 1))
+    return len(code - docstrings)
 
 
-def imported_files(repo: Path, path: Path) -> list[Path]:
-    """The ``PACKAGE`` modules ``path`` imports (absolute, relative, or a submodule named in ``from PACKAGE import``),
-    each with the package's ``__init__.py``, which Python runs first."""
-    names = []
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            names += [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            parts = path.relative_to(repo).with_suffix("").parts[:-node.level] if node.level else ()
-            module = ".".join([*parts, *([node.module] if node.module else [])])
-            names += [module, *(f"{module}.{alias.name}" for alias in node.names)]
-    found = []
-    for name in names:
-        if name.split(".")[0] == PACKAGE:
-            for parent in [PACKAGE, name]:
-                if (file := module_file(repo, parent)) and file not in found:
-                    found.append(file)
-    return found
+def ours(repo: Path, path: Path) -> bool:
+    """A file of the checkout's program: not its tests, benchmarks or virtual environment."""
+    return path.is_relative_to(repo) and path.relative_to(repo).parts[0] not in ("tests", "bench", ".venv")
 
 
-def reached_files(repo: Path, start: Path) -> list[Path]:
-    """``start`` and every ``PACKAGE`` module it imports, directly or through another one, in the order found."""
-    files, todo = [start], [start]
-    while todo:
-        for path in imported_files(repo, todo.pop(0)):
-            if path not in files:
-                files.append(path)
-                todo.append(path)
-    return files
+def imported_files(repo: Path, flags: list[str], timeout: float = 600) -> list[Path]:
+    """The checkout's files that ``train.py flags`` imported, as its process (rank 0) held them at exit."""
+    with tempfile.TemporaryDirectory() as out:
+        record = Path(out) / "imported.json"
+        subprocess.run([sys.executable, "-c", RECORD, str(repo) + os.sep, str(repo / "train.py"), str(record), *flags,
+                        "--quiet", "--out-dir", str(Path(out) / "run")], cwd=out, check=True, timeout=timeout,
+                       stdout=subprocess.DEVNULL)
+        return [path for path in map(Path, json.loads(record.read_text())) if ours(repo, path)]
 
 
 def one_step_code(repo: Path) -> dict[Path, set[int]]:
@@ -64,14 +80,13 @@ def one_step_code(repo: Path) -> dict[Path, set[int]]:
     of the functions that run there."""
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
-    root, steps, code = str(repo) + os.sep, 0, set()
+    steps, code = 0, set()
 
-    def ours(frame) -> bool:
-        path = frame.f_code.co_filename
-        return path.startswith(root) and Path(path).relative_to(repo).parts[0] not in ("tests", "bench", ".venv")
+    def mine(frame) -> bool:
+        return ours(repo, Path(frame.f_code.co_filename))
 
     def profile(frame, event, arg):
-        if event == "call" and ours(frame):
+        if event == "call" and mine(frame):
             code.add(frame.f_code)
 
     def on_step(optimizer, args, kwargs):
@@ -79,7 +94,7 @@ def one_step_code(repo: Path) -> dict[Path, set[int]]:
         steps += 1
         if steps == STEP:  # the loop, the innermost of the checkout's functions running, runs on into the next step
             frame = sys._getframe(1)
-            while not ours(frame):
+            while not mine(frame):
                 frame = frame.f_back
             code.add(frame.f_code)
         hook = profile if steps == STEP else None
@@ -102,22 +117,26 @@ def one_step_code(repo: Path) -> dict[Path, set[int]]:
     return dict(sorted(reached.items()))
 
 
-def lines(path: Path) -> int:
-    return len(path.read_text().splitlines())
-
-
 def main(repo: Path) -> None:
-    public = [repo / "train.py", *(repo / PACKAGE / name for name in ("__init__.py", "task_spec.py"))]
-    for title, files in (("train.py and the public contract", public),
-                         ("the loop", reached_files(repo, repo / "train.py"))):
-        print(f"{title}: {sum(map(lines, files)):,} lines in {len(files)} files")
-        for path in files:
-            print(f"  {lines(path):5d}  {path.relative_to(repo)}")
+    package = sorted((repo / PACKAGE).glob("*.py"))
+    imported = {title: imported_files(repo, flags) for title, flags in RUNS.items()}
+    name = {path: path.relative_to(repo).as_posix() for path in {*package, *sum(imported.values(), [])}}
+    print(f"code lines (no blank, comment or docstring lines) of the files a default run imports, counted at exit "
+          f"(rank 0); {PACKAGE}/ has {sum(map(code_lines, package)):,} in {len(package)} modules")
+    print(" | ".join(["file", *imported]))
+    for path in sorted(name, key=lambda path: (path.parent != repo, path.parts[-2] == PACKAGE, name[path])):
+        cells = [f"{code_lines(path):,}" if path in files else "-" for files in imported.values()]
+        print(" | ".join([name[path] + ("" if path.parent != repo / PACKAGE or any(path in files for files in
+                                                                                    imported.values())
+                                        else " (optional)"), *cells]))
+    for title, where in ((PACKAGE, lambda path: path.parent == repo / PACKAGE), ("in all", lambda path: True)):
+        print(" | ".join([f"**{title}**", *(f"**{sum(code_lines(p) for p in files if where(p)):,}** in "
+                                            f"{sum(map(where, files))} files" for files in imported.values())]))
     step = one_step_code(repo)
     print(f"one optimizer step (step {STEP + 1}) runs {sum(map(len, step.values())):,} lines of functions in "
           f"{len(step)} files")
     for path, numbers in step.items():
-        print(f"  {len(numbers):5d}  {path.relative_to(repo)} (of {lines(path)})")
+        print(f"  {len(numbers):5d}  {path.relative_to(repo)} (of {len(path.read_text().splitlines())})")
 
 
 if __name__ == "__main__":

@@ -61,19 +61,26 @@ def test_a_study_reruns_a_run_its_stop_cut_short(tmp_path, monkeypatch):
     assert folders_at_start == [[]]
 
 
-def test_reading_list_follows_every_kind_of_import_into_fabric_utils(tmp_path):
-    """A submodule named in ``from fabric_utils import``, a relative import, and the package's ``__init__.py``, which
-    Python runs first; a module nothing imports is not read."""
-    from bench.reading_list import reached_files
+def test_reading_list_counts_the_code_lines_a_run_imports(tmp_path):
+    """The files a run's process imported, listed at its exit: the package's ``__init__.py``, a module reached through
+    another, and a module behind a flag only when the flag is given; a module nothing imports is not read. Code lines
+    leave out blank, comment and docstring lines."""
+    from bench.reading_list import code_lines, imported_files
 
     package = tmp_path / "fabric_utils"
     package.mkdir()
-    (tmp_path / "train.py").write_text("import torch\nfrom fabric_utils import loaders\n")
-    (package / "__init__.py").write_text("from .optim import build_optimizer\n")
-    (package / "loaders.py").write_text("from . import errors\n")
-    for name in ("optim", "errors", "unused"):
+    (tmp_path / "train.py").write_text("import sys\nimport torch\nfrom fabric_utils import loaders\n"
+                                       "if '--fp8' in sys.argv:\n    from fabric_utils import fp8\n")
+    (package / "__init__.py").write_text("")
+    (package / "loaders.py").write_text('"""A docstring\n\nover lines."""\n\n# a comment\nfrom . import errors\n\n\n'
+                                        'def rows():\n    """One line."""\n    return 1  # a comment after code\n')
+    for name in ("errors", "fp8", "unused"):
         (package / f"{name}.py").write_text("")
-    found = reached_files(tmp_path, tmp_path / "train.py")
-    assert sorted(path.relative_to(tmp_path).as_posix() for path in found) == [
-        "fabric_utils/__init__.py", "fabric_utils/errors.py", "fabric_utils/loaders.py", "fabric_utils/optim.py",
-        "train.py"]
+
+    def imported(flags):
+        return sorted(path.relative_to(tmp_path).as_posix() for path in imported_files(tmp_path, flags))
+    assert imported([]) == ["fabric_utils/__init__.py", "fabric_utils/errors.py", "fabric_utils/loaders.py",
+                            "train.py"]
+    assert imported(["--fp8"]) == ["fabric_utils/__init__.py", "fabric_utils/errors.py", "fabric_utils/fp8.py",
+                                   "fabric_utils/loaders.py", "train.py"]
+    assert code_lines(package / "loaders.py") == 3
