@@ -36,30 +36,28 @@ from pathlib import Path
 import torch
 from torchmetrics import MeanMetric, SumMetric
 
-from fabric_utils import (
-    ROWS_PER_STEP, Preemption, Progress, Throughput, agreed_resume_checkpoint, batch_kinds, best_rule, build_fabric,
-    build_model, build_optimizer, cast_shards, compile_in_engine, compile_model, convert_to_float8, count_parameters,
-    counted, cut_splits, default_num_workers, environment_report, explain_lost_peers, export_model, fill_rows,
-    finalize_loggers, first_rows, fitting_batch_size, full_shapes, header, keep_rows_per_step, launch,
-    load_best, load_checkpoint, load_pretrained, locked_run_folder, make_dataloaders, make_loggers,
-    peak_memory_per_rank, plot_metrics, prepare_for_setup, proposed_run_folder, remove_checkpoint, save_checkpoint,
-    save_config, say, set_threads, shows_bars, silence_libraries, strategy, training_flops_fn, warm_up,
-    warn_if_updates_vanish, write_predictions)
+from fabric_utils import checkpoint, export, launcher, loggers, optim, progress, run_folder, sharding, speed, strategy
+from fabric_utils.loaders import at_most_rows_per_device, cut_splits, fill_rows, first_rows, make_dataloaders
+from fabric_utils.preemption import Preemption
+from fabric_utils.pretrained import build_model, load_pretrained
+from fabric_utils.progress import say
+from fabric_utils.threads import set_threads
 
 
 @exit_on_user_error
 def setup(argv=None) -> dict:
     flags = parse_args(argv)
     if not flags.verbose:
-        silence_libraries()
-    with proposed_run_folder(flags.out_dir, flags.resume, temporary=bool(flags.fast_dev_run)) as out_dir:
-        loggers = make_loggers(flags.logger, out_dir, project=flags.tracker_project, resume=bool(flags.resume))
-        fabric = build_fabric(accelerator=flags.accelerator, devices=flags.devices, num_nodes=flags.num_nodes,
-                              strategy=flags.strategy, precision=flags.precision, grad_clip=flags.grad_clip,
-                              grad_checkpointing=flags.grad_checkpointing, loggers=loggers)  # Fabric step 1
-        launch(fabric)                                                                        # Fabric step 2
+        progress.silence_libraries()
+    with run_folder.proposed_run_folder(flags.out_dir, flags.resume, temporary=bool(flags.fast_dev_run)) as out_dir:
+        fabric = launcher.build_fabric(
+            accelerator=flags.accelerator, devices=flags.devices, num_nodes=flags.num_nodes, strategy=flags.strategy,
+            precision=flags.precision, grad_clip=flags.grad_clip, grad_checkpointing=flags.grad_checkpointing,
+            loggers=loggers.make_loggers(flags.logger, out_dir, project=flags.tracker_project,
+                                         resume=bool(flags.resume)))                        # Fabric step 1
+        launcher.launch(fabric)                                                              # Fabric step 2
         # nodes started apart in time agree on rank 0's folder
-        with locked_run_folder(fabric, out_dir) as run_dir, explain_lost_peers(fabric):
+        with run_folder.locked_run_folder(fabric, out_dir) as run_dir, launcher.explain_lost_peers(fabric):
             return main(fabric, flags, run_dir)
 
 
@@ -71,21 +69,27 @@ def main(fabric, flags, out_dir: Path) -> dict:
         torch.set_float32_matmul_precision("high")
         torch.backends.cudnn.benchmark = True
         torch.backends.cuda.enable_cudnn_sdp(False)  # cuDNN attention plans each new shape; grouped batches are new
-    env = environment_report(fabric)
+    env = run_folder.environment_report(fabric)
     if flags.verbose:
         say(json.dumps(env, indent=1))
     with fabric.rank_zero_first(local=True):  # rank 0 of each node prepares the data first; the others read its cache
-        spec: TaskSpec = task.setup(flags, verbose=shows_bars(fabric, flags.quiet, flags.verbose))
+        spec: TaskSpec = task.setup(flags, verbose=progress.shows_bars(fabric, flags.quiet, flags.verbose))
 
-    resume_from = agreed_resume_checkpoint(fabric, flags.resume, out_dir / "checkpoints", report=say)
+    resume_from = checkpoint.agreed_resume_checkpoint(fabric, flags.resume, out_dir / "checkpoints", report=say)
 
     def loss_fn(model, batch: dict) -> torch.Tensor:  # a batch's training loss: to count FLOPs, probe, warm up
         return spec.objective.loss(spec.objective.forward(model, batch), batch)
 
     model, optimizer, torch_optimizer, flops_of, params = build(fabric, flags, spec, loss_fn,
                                                                 pretrained=not resume_from)
-    batch_size = fitting_batch_size(fabric, flags.batch_size, spec, model, optimizer, loss_fn)
-    grad_accum = keep_rows_per_step(fabric, batch_size, flags.grad_accum, resume_from)  # same steps on new devices
+    batch_size = flags.batch_size
+    if batch_size == "auto":  # the largest that fits the set-up model, found by real steps at rate 0
+        from fabric_utils.batch_size import find_batch_size
+        batch_size = find_batch_size(fabric, model, optimizer, loss_fn=loss_fn,
+                                     make_batch=lambda rows: spec.example_batch(rows, None, fabric.device))
+    batch_size = at_most_rows_per_device(batch_size, len(spec.datasets["train"]), fabric.world_size)
+    # the same rows per optimizer step on new devices
+    grad_accum = checkpoint.keep_rows_per_step(fabric, batch_size, flags.grad_accum, resume_from)
     if flags.fast_dev_run:  # N batches of each split on every process
         spec = cut_splits(spec, flags.fast_dev_run * fabric.world_size, train_rows=batch_size * grad_accum,
                           eval_rows=flags.eval_batch_size or 2 * batch_size)
@@ -95,21 +99,21 @@ def main(fabric, flags, out_dir: Path) -> dict:
     # every value the run uses, read-only from here on, with what the task and the lines above decided
     config = Config(flags, **spec.decided_flags or {}, batch_size=batch_size, grad_accum=grad_accum,
                     lr=spec.default_lr(max_steps) if flags.lr is None else flags.lr)
-    warn_if_updates_vanish(fabric.strategy.precision, lr=config.lr)
+    launcher.warn_if_updates_vanish(fabric.strategy.precision, lr=config.lr)
     scheduler = build_scheduler(torch_optimizer, config.scheduler, lr=config.lr, max_steps=max_steps,
                                 warmup=config.warmup, min_lr_rate=config.min_lr_rate)
-    rule = best_rule(spec.objective, config.best_metric)
-    state = restore(fabric, config, spec, model, optimizer, scheduler, max_steps, checkpoint=resume_from)
+    rule = checkpoint.best_rule(spec.objective, config.best_metric)
+    state = restore(fabric, config, spec, model, optimizer, scheduler, max_steps, resume_from)
     # only now: bad data, model or checkpoint leave the folder as it was (a resume's flags go beside the first's)
-    save_config(fabric, config, out_dir, resumed_at=state.step if resume_from else None, environment=env)
+    run_folder.save_config(fabric, config, out_dir, resumed_at=state.step if resume_from else None, environment=env)
     if not config.quiet:
-        say(header(fabric, config, spec, max_steps, steps_per_epoch, out_dir, threads, rule))
+        say(progress.header(fabric, config, spec, max_steps, steps_per_epoch, out_dir, threads, rule))
 
     preempted, throughput = fit(fabric, config, state, loaders=loaders, preemption=preemption,
                                 ckpt_dir=out_dir / "checkpoints", max_steps=max_steps, steps_per_epoch=steps_per_epoch,
                                 flops_of=flops_of, spec=spec, rule=rule, loss_fn=loss_fn)
     if preempted:
-        finalize_loggers(fabric.loggers, status="preempted")  # this segment's metrics stay on disk
+        loggers.finalize_loggers(fabric.loggers, status="preempted")  # this segment's metrics stay on disk
         say(f"preempted: saved a checkpoint at step {state.step}; rerun with --resume auto")
         preemption.exit(fabric, loaders, out_dir, step=state.step,  # status EXIT_PREEMPTED (75)
                         checkpoint=out_dir / "checkpoints" / f"step-{state.step:06d}")
@@ -126,32 +130,33 @@ def build(fabric, args, spec: TaskSpec, loss_fn, pretrained: bool):
     # under fsdp, fsdp2 and ZeRO-3 already sharded, filled with the pretrained values after set-up
     model, source = build_model(fabric, spec.build_model, spec.build_skeleton, pretrained=pretrained,
                                 grad_checkpointing=args.grad_checkpointing)
-    params = count_parameters(model)
+    params = optim.count_parameters(model)
     flops_of = None  # FLOPs of forward and backward, for MFU, which needs the device's peak: a CPU has none
     if args.peak_tflops or fabric.device.type == "cuda":
-        flops_of = training_flops_fn(model, loss_fn, lambda size: spec.example_batch(1, size, "cpu"),
+        flops_of = speed.training_flops_fn(model, loss_fn, lambda size: spec.example_batch(1, size, "cpu"),
                                      max_size=spec.lengths.longest if spec.lengths else None)
     if args.precision == FP8:  # before compiling and set-up, which wrap the float8 layers as any other
-        convert_to_float8(model)
+        speed.convert_to_float8(model)
     if args.compile:  # fabric.setup recompiles it around the strategy's wrapper
-        model = compile_model(model, args.compile_mode, cuda_graphs=strategy.fits_cuda_graphs(fabric))
-    model, compiled = prepare_for_setup(fabric, model)  # fp32 weights to update; DeepSpeed compiles in its engine
-    shapes = full_shapes(model)  # before FSDP flattens them: AdamW decays only the matrices
+        model = speed.compile_model(model, args.compile_mode, cuda_graphs=strategy.fits_cuda_graphs(fabric))
+    # fp32 weights to update; DeepSpeed compiles in its engine
+    model, compiled = sharding.prepare_for_setup(fabric, model)
+    shapes = sharding.full_shapes(model)  # before FSDP flattens them: AdamW decays only the matrices
 
     # at rate 0: the schedule sets the peak once the run's length, on which the default depends, is known
     def new_optimizer(module):
-        return build_optimizer(module, name=args.optimizer, lr=0.0, weight_decay=args.weight_decay,
-                               device=fabric.device, offload=strategy.offloads_optimizer(fabric),
-                               loss_scaling=strategy.scales_loss(fabric), shapes=shapes)
+        return optim.build_optimizer(module, name=args.optimizer, lr=0.0, weight_decay=args.weight_decay,
+                                     device=fabric.device, offload=strategy.offloads_optimizer(fabric),
+                                     loss_scaling=strategy.scales_loss(fabric), shapes=shapes)
 
     if strategy.builds_optimizer_after_setup(fabric):  # on what set-up made: FSDP's shards, transformer-engine's layers
-        model = cast_shards(fabric, fabric.setup_module(model))                                # Fabric step 3
+        model = sharding.cast_shards(fabric, fabric.setup_module(model))                       # Fabric step 3
         torch_optimizer = new_optimizer(model)
         optimizer = fabric.setup_optimizers(torch_optimizer)
     else:  # DeepSpeed's engine takes both at once
         torch_optimizer = new_optimizer(model)
         model, optimizer = fabric.setup(model, torch_optimizer)                                # Fabric step 3
-        compile_in_engine(fabric, compiled)
+        sharding.compile_in_engine(fabric, compiled)
     if source:
         load_pretrained(fabric, model, source)
     return model, optimizer, torch_optimizer, flops_of, params
@@ -194,22 +199,23 @@ class TrainState:
 
 
 def restore(fabric, config, spec: TaskSpec, model, optimizer, scheduler, max_steps: int,
-            checkpoint: Path | None) -> TrainState:
-    """The training state: a fresh one, or ``checkpoint``'s if it continues this run (else a one-line error)."""
+            resume_from: Path | None) -> TrainState:
+    """The training state: a fresh one, or ``resume_from``'s if it continues this run (else a one-line error)."""
     fingerprint = {**spec.fingerprint, "--seed": config.seed, "--optimizer": config.optimizer, "--lr": config.lr,
                    "--weight-decay": config.weight_decay, "--scheduler": config.scheduler, "--warmup": config.warmup,
                    "--min-lr-rate": config.min_lr_rate, "--grad-clip": config.grad_clip,
                    "optimizer steps (--max-steps, --epochs)": max_steps,
-                   ROWS_PER_STEP: config.batch_size * fabric.world_size * config.grad_accum}
+                   checkpoint.ROWS_PER_STEP: config.batch_size * fabric.world_size * config.grad_accum}
     rows_per_batch = config.batch_size * fabric.world_size
     state = TrainState(model, optimizer, scheduler, fingerprint=fingerprint, config=vars(config),
                        rows_per_batch=rows_per_batch)
-    if checkpoint:
-        load_checkpoint(fabric, checkpoint, vars(state), expected_fingerprint=fingerprint)  # fills it in place
+    if resume_from:
+        # fills it in place
+        checkpoint.load_checkpoint(fabric, resume_from, vars(state), expected_fingerprint=fingerprint)
         # the same row of the epoch in this run's batches, if the number of devices changed
         state.batch_in_epoch = state.batch_in_epoch * state.rows_per_batch // rows_per_batch
         state.rows_per_batch = rows_per_batch
-        say(f"resumed from {checkpoint} at step {state.step}")
+        say(f"resumed from {resume_from} at step {state.step}")
     return state
 
 
@@ -218,7 +224,7 @@ def make_loaders(fabric, flags, spec: TaskSpec, batch_size: int, grad_accum: int
         spec.datasets, spec.collate, spec.lengths and spec.lengths.per_split, batch_size=batch_size,
         eval_batch_size=flags.eval_batch_size or 2 * batch_size, world_size=fabric.world_size,
         rank=fabric.global_rank, seed=flags.seed, group_by_length=flags.group_by_length,
-        num_workers=default_num_workers(fabric) if flags.num_workers is None else flags.num_workers,
+        num_workers=speed.default_num_workers(fabric) if flags.num_workers is None else flags.num_workers,
         pin_memory=fabric.device.type == "cuda", grad_accum=grad_accum)
     # the samplers shard the rows; batches stay on the host, where the loop counts them without reading the device
     return dict(zip(loaders, fabric.setup_dataloaders(*loaders.values(), use_distributed_sampler=False,
@@ -231,14 +237,15 @@ def fit(fabric, config, state: TrainState, loaders, preemption, ckpt_dir, max_st
     returns whether it was preempted, and the training throughput."""
     model, optimizer, scheduler, train_loader = state.model, state.optimizer, state.scheduler, loaders["train"]
     objective = spec.objective
-    progress = Progress(fabric, max_steps, config.quiet, metrics=objective.make_metrics(),
-                        steps_per_epoch=steps_per_epoch, rows_per_step=state.fingerprint[ROWS_PER_STEP],
-                        start_step=state.step, chance_loss=spec.chance_loss, losses=state.train_losses)
-    monitor = Throughput(fabric, config.peak_tflops, flops_of, sized=spec.lengths is not None)
+    shown = progress.Progress(fabric, max_steps, config.quiet, metrics=objective.make_metrics(),
+                              steps_per_epoch=steps_per_epoch,
+                              rows_per_step=state.fingerprint[checkpoint.ROWS_PER_STEP], start_step=state.step,
+                              chance_loss=spec.chance_loss, losses=state.train_losses)
+    monitor = progress.Throughput(fabric, config.peak_tflops, flops_of, sized=spec.lengths is not None)
     if config.compile:
-        kinds = batch_kinds(itertools.chain([spec.example_batch(config.batch_size, None, "cpu")], train_loader))
-        warm_up(fabric, model, optimizer, [fabric.to_device(fill_rows(batch, config.batch_size)) for batch in kinds],
-                loss_fn)
+        kinds = speed.batch_kinds(itertools.chain([spec.example_batch(config.batch_size, None, "cpu")], train_loader))
+        speed.warm_up(fabric, model, optimizer,
+                      [fabric.to_device(fill_rows(batch, config.batch_size)) for batch in kinds], loss_fn)
     clips = config.grad_clip and strategy.clips_in_loop(fabric)  # DeepSpeed clips inside optimizer.step()
     fabric.barrier()
     monitor.start(state.step)
@@ -259,7 +266,7 @@ def fit(fabric, config, state: TrainState, loaders, preemption, ckpt_dir, max_st
                 logits = objective.forward(model, batch)[:rows]
                 loss = objective.loss(logits, first_rows(batch, rows))
                 fabric.backward(loss / group_size)                                           # Fabric step 4
-            progress.update(loss, logits, batch["labels"][:rows])
+            shown.update(loss, logits, batch["labels"][:rows])
             if not is_last:
                 continue
             if clips:
@@ -271,18 +278,18 @@ def fit(fabric, config, state: TrainState, loaders, preemption, ckpt_dir, max_st
             state.step = step = state.step + 1
 
             if step % config.log_every == 0 or step == max_steps:  # the only host-device syncs of the hot loop
-                progress.log_step(step, lr=scheduler.get_last_lr()[0], max_lr=config.lr, throughput=monitor)
+                shown.log_step(step, lr=scheduler.get_last_lr()[0], max_lr=config.lr, throughput=monitor)
             preempted = preemption.agreed(fabric)
             epoch_ends = state.batch_in_epoch == epoch_batches
             if epoch_ends or (config.val_every and step % config.val_every == 0) or step == max_steps:
                 with monitor.paused():  # the throughput clock counts training time only
                     val = validate(fabric, model, loaders["validation"], objective=objective, step=step,
-                                   show=progress.note, quiet=config.quiet)
-                    progress.warn_if_stuck(val["loss"], step, max_lr=config.lr)
+                                   show=shown.note, quiet=config.quiet)
+                    shown.warn_if_stuck(val["loss"], step, max_lr=config.lr)
                     if rule.improves(val, state.best_val):
                         state.best_val, stale = val, 0  # the best model so far is kept as checkpoints/best
                         best = {"model": model, "fingerprint": state.fingerprint, "step": step}
-                        save_checkpoint(fabric, ckpt_dir, "best", best)
+                        checkpoint.save_checkpoint(fabric, ckpt_dir, "best", best)
                     else:
                         stale += 1
             stop = preempted or bool(config.early_stop and stale >= config.early_stop)
@@ -290,12 +297,12 @@ def fit(fabric, config, state: TrainState, loaders, preemption, ckpt_dir, max_st
                 state.epoch, state.batch_in_epoch = state.epoch + 1, 0
             if (config.save_every and step % config.save_every == 0) or epoch_ends or stop:
                 with monitor.paused():
-                    save_checkpoint(fabric, ckpt_dir, f"step-{step:06d}", vars(state), config.keep_last)
+                    checkpoint.save_checkpoint(fabric, ckpt_dir, f"step-{step:06d}", vars(state), config.keep_last)
                     for logger in fabric.loggers:
                         logger.save()  # the metrics up to this checkpoint survive a kill
             if stop or step >= max_steps:
                 break
-    progress.close()
+    shown.close()
     return preempted, monitor.stop()
 
 
@@ -316,7 +323,7 @@ def evaluate(fabric, model, loader, objective, predict: bool = False, shown_as: 
     metrics = objective.make_metrics().to(fabric.device)
     remaining = loader.batch_sampler.num_real  # the rest repeat a row: all ranks run as many batches, of one size
     predicted = []
-    for batch in counted(fabric, loader, shown_as) if shown_as else loader:
+    for batch in progress.counted(fabric, loader, shown_as) if shown_as else loader:
         batch = fabric.to_device(batch)
         # every rank runs every forward, repeated rows too: under fsdp, fsdp2 and ZeRO-3 a skipped one hangs the rest
         logits = objective.forward(model, batch)
@@ -342,30 +349,31 @@ def finish(fabric, config, state: TrainState, loaders, out_dir, spec: TaskSpec, 
     """Tests the best model, exports it and writes results.json (with ``report``: what else the run knows); then
     removes checkpoints/best, whose weights model/ holds, unless --keep-best-checkpoint."""
     model, results_file, objective = state.model, out_dir / "results.json", spec.objective
-    best = load_best(fabric, out_dir, model)
+    best = checkpoint.load_best(fabric, out_dir, model)
     if best is None:  # a resume of this finished run found no better model
-        finalize_loggers(fabric.loggers)
+        loggers.finalize_loggers(fabric.loggers)
         say(f"the best model is still {out_dir}/model, tested in results.json when the run first finished")
         return json.loads(results_file.read_text())
     test = evaluate(fabric, model, loaders["test"], objective=objective, predict=True,
                     shown_as=None if config.quiet else "test")
     predictions = test.pop("predictions")
-    peaks = peak_memory_per_rank(fabric)  # training's and testing's, before the export gathers the model on rank 0
-    export_model(fabric, best / "state", out_dir / "model", model, spec.fingerprint, write=spec.export)
+    # training's and testing's, before the export gathers the model on rank 0
+    peaks = speed.peak_memory_per_rank(fabric)
+    export.export_model(fabric, best / "state", out_dir / "model", model, spec.fingerprint, write=spec.export)
     results = {**{f"val_{k}": v for k, v in state.best_val.items()}, **{f"test_{k}": v for k, v in test.items()},
                "train_examples": len(spec.datasets["train"]), "steps": state.step,
                "epochs": state.epoch + (state.batch_in_epoch > 0), "world_size": fabric.world_size,
                "precision": strategy.precision_name(fabric, config.precision),
                "strategy": type(fabric.strategy).__name__,
                "peak_memory_mb_per_rank": peaks, **report, "config": vars(config)}
-    finalize_loggers(fabric.loggers)  # flushes metrics.csv, which the plots read; ends the tracked runs
+    loggers.finalize_loggers(fabric.loggers)  # flushes metrics.csv, which the plots read; ends the tracked runs
     if fabric.is_global_zero:
-        write_predictions(out_dir / "test_predictions.csv",
-                          objective.table(predictions) if hasattr(objective, "table") else predictions)
+        run_folder.write_predictions(out_dir / "test_predictions.csv",
+                                     objective.table(predictions) if hasattr(objective, "table") else predictions)
         results_file.write_text(json.dumps(results, indent=2))
         if not config.keep_best_checkpoint:  # every rank has read it: export_model ends in a barrier
-            remove_checkpoint(best)
-        plot_metrics(out_dir)
+            checkpoint.remove_checkpoint(best)
+        loggers.plot_metrics(out_dir)
     say(f"test {objective.best_metric} {test[objective.best_metric]:.4f} on {test['examples']} rows; results in "
         f"{out_dir}/results.json, each row's prediction in test_predictions.csv")
     return results

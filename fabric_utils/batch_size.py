@@ -1,6 +1,5 @@
-"""The rows per device: ``--batch-size``, or with ``auto`` the largest whose training step fits on every rank."""
+"""``--batch-size auto``: the largest batch whose training step fits on every rank."""
 
-import math
 import time
 from collections.abc import Callable
 
@@ -12,17 +11,6 @@ from fabric_utils.progress import say
 MAX_BATCH = 1024
 MAX_STEP_SECONDS = 10.0  # on a CPU memory rarely runs out first
 MEMORY_HEADROOM = 0.9  # of the GPU's memory: the caching allocator's fragmentation needs the rest
-
-
-def fitting_batch_size(fabric, batch_size: int | str, spec, model, optimizer, loss_fn) -> int:
-    """--batch-size, or with ``auto`` the largest that fits the set-up model; at most the rows per device."""
-    if batch_size == "auto":
-        batch_size = find_batch_size(fabric, model, optimizer, loss_fn=loss_fn,
-                                     make_batch=lambda rows: spec.example_batch(rows, None, fabric.device))
-    per_device = math.ceil(len(spec.datasets["train"]) / fabric.world_size)
-    if batch_size > per_device:
-        say(f"--batch-size {batch_size} is more than the {per_device:,} training rows per device: using {per_device}")
-    return min(batch_size, per_device)
 
 
 def find_batch_size(fabric, model, optimizer, *, make_batch: Callable[[int], dict],

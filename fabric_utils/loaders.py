@@ -8,6 +8,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 
+from fabric_utils.progress import say
+
 
 class TrainBatchSampler(Sampler[list[int]]):
     """This rank's batches of one epoch, set by (seed, epoch) and the rows per optimizer step alone, so a resume on any
@@ -120,3 +122,11 @@ def cut_splits(spec, batches: int, train_rows: int, eval_rows: int):
     lengths = spec.lengths and dataclasses.replace(spec.lengths, per_split={
         name: [lengths[i] for i in range(len(datasets[name]))] for name, lengths in spec.lengths.per_split.items()})
     return dataclasses.replace(spec, datasets=datasets, lengths=lengths, chance_loss=None)  # at chance by design
+
+
+def at_most_rows_per_device(batch_size: int, rows: int, world_size: int) -> int:
+    """``batch_size``, or the training rows per device where there are fewer."""
+    per_device = math.ceil(rows / world_size)
+    if batch_size > per_device:
+        say(f"--batch-size {batch_size} is more than the {per_device:,} training rows per device: using {per_device}")
+    return min(batch_size, per_device)
