@@ -136,7 +136,8 @@ def build(fabric, args, spec: TaskSpec, loss_fn, pretrained: bool):
         flops_of = speed.training_flops_fn(model, loss_fn, lambda size: spec.example_batch(1, size, "cpu"),
                                      max_size=spec.lengths.longest if spec.lengths else None)
     if args.precision == FP8:  # before compiling and set-up, which wrap the float8 layers as any other
-        speed.convert_to_float8(model)
+        from fabric_utils.fp8 import convert_to_float8
+        convert_to_float8(model)
     if args.compile:  # fabric.setup recompiles it around the strategy's wrapper
         model = speed.compile_model(model, args.compile_mode, cuda_graphs=strategy.fits_cuda_graphs(fabric))
     # fp32 weights to update; DeepSpeed compiles in its engine

@@ -19,7 +19,7 @@ STRATEGIES = ("auto", "ddp", "ddp_find_unused_parameters_true", "dp", "deepspeed
               "deepspeed_stage_1_offload", "deepspeed_stage_2", "deepspeed_stage_2_offload", "deepspeed_stage_3",
               "deepspeed_stage_3_offload", "deepspeed_stage_3_offload_nvme", "fsdp", "fsdp_cpu_offload", "single_xla",
               "single_tpu", FSDP2)
-FP8 = "fp8-mixed"  # torchao's float8 matrix products in bf16-mixed autocast (speed.py); not Fabric's
+FP8 = "fp8-mixed"  # torchao's float8 matrix products in bf16-mixed autocast (fp8.py); not Fabric's
 PRECISIONS = ("auto", "transformer-engine", "transformer-engine-float16", "16-true", "16-mixed", "bf16-true",
               "bf16-mixed", "32-true", "64-true", "64", "32", "16", "bf16", FP8)
 LOGGER_NAMES = ("csv", "tensorboard", "mlflow", "wandb")

@@ -20,7 +20,6 @@ from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
 from fabric_utils.args import FP8, FSDP2, LAUNCH_DEFAULTS, fabric_run_settings, launched_by_cli
 from fabric_utils.errors import PeerLost, UserError, first_line, lost_a_peer
-from fabric_utils.speed import check_fp8_supported
 from fabric_utils.private import _BackwardSyncControl, set_backward_sync_control
 from fabric_utils.sharding import BlockPolicy, materialize_unit, mixed_precision_policy, shard_blocks
 from fabric_utils.strategy import uses_deepspeed
@@ -124,6 +123,7 @@ def build_fabric(accelerator=None, devices=None, num_nodes=None, strategy=None, 
         raise UserError(f"cannot launch with {settings}: {first_line(err)}") from err
     check_precision_supported(settings["precision"], fabric.strategy.precision.precision, fabric.device)
     if precision == FP8:
+        from fabric_utils.fp8 import check_fp8_supported
         check_fp8_supported(fabric.device, settings["strategy"])
     deepspeed = uses_deepspeed(fabric)
     # Fabric refuses DeepSpeed off CUDA only once each process started (the tests' CPU shim swaps the class)

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from conftest import run
-from fabric_utils import launcher, speed
+from fabric_utils import fp8, launcher
 from fabric_utils.errors import UserError
 
 
@@ -32,16 +32,16 @@ def a_gpu(monkeypatch, capability: tuple[int, int]) -> torch.device:
 
 def test_a_gpu_without_float8_or_a_strategy_that_hides_the_weights_is_refused(monkeypatch):
     with pytest.raises(UserError, match=r"8\.9\+ .*, and the NVIDIA A100-SXM4-80GB is 8\.0; use bf16-mixed$"):
-        speed.check_fp8_supported(a_gpu(monkeypatch, (8, 0)), "auto")
+        fp8.check_fp8_supported(a_gpu(monkeypatch, (8, 0)), "auto")
     h100 = a_gpu(monkeypatch, (9, 0))
     for strategy in ("auto", "ddp", "fsdp2"):
-        speed.check_fp8_supported(h100, strategy)
+        fp8.check_fp8_supported(h100, strategy)
     for strategy in ("fsdp", "deepspeed_stage_2", "dp"):
         with pytest.raises(UserError, match=f"runs on one device or under --strategy ddp or fsdp2, not {strategy}$"):
-            speed.check_fp8_supported(h100, strategy)
+            fp8.check_fp8_supported(h100, strategy)
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(UserError, match="needs torchao, which is not installed: pip install torchao$"):
-        speed.check_fp8_supported(h100, "ddp")
+        fp8.check_fp8_supported(h100, "ddp")
 
 
 def tiny_bert(hidden: int, intermediate: int) -> nn.Module:
@@ -56,7 +56,7 @@ def test_float8_takes_the_blocks_linear_layers_whose_sides_are_multiples_of_16_a
     float8_linear = pytest.importorskip("torchao.float8.float8_linear").Float8Linear
     model = tiny_bert(hidden=32, intermediate=40)  # the feed-forward layers' 40 is no multiple of 16
     names, params = list(model.state_dict()), dict(model.named_parameters())
-    speed.convert_to_float8(model)
+    fp8.convert_to_float8(model)
     converted = {name for name, module in model.named_modules() if isinstance(module, float8_linear)}
     assert converted == {f"bert.encoder.layer.{i}.attention.{part}" for i in range(2)
                          for part in ("self.query", "self.key", "self.value", "output.dense")}
@@ -71,7 +71,7 @@ def test_float8_takes_the_blocks_linear_layers_whose_sides_are_multiples_of_16_a
 
 def test_a_model_without_a_layer_float8_can_take_is_a_user_error():
     with pytest.raises(UserError, match="found no Linear layer of BertForSequenceClassification's repeated blocks"):
-        speed.convert_to_float8(tiny_bert(hidden=24, intermediate=40))
+        fp8.convert_to_float8(tiny_bert(hidden=24, intermediate=40))
 
 
 def test_fabric_runs_what_float8_leaves_in_bf16_mixed():

@@ -140,7 +140,7 @@ if os.environ.get("FABRIC_TEMPLATE_FSDP_CPU") == "1":
 
 if os.environ.get("FABRIC_TEMPLATE_FP8_CPU") == "1":
 
-    def patch_fp8(speed):
-        speed.has_float8_matmuls = lambda device: True
+    def patch_fp8(fp8):
+        fp8.has_float8_matmuls = lambda device: True
 
-    _after_import.add("fabric_utils.speed", patch_fp8)
+    _after_import.add("fabric_utils.fp8", patch_fp8)
