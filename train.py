@@ -133,7 +133,8 @@ def build(fabric, args, spec: TaskSpec, loss_fn, pretrained: bool):
     params = optim.count_parameters(model)
     flops_of = None  # FLOPs of forward and backward, for MFU, which needs the device's peak: a CPU has none
     if args.peak_tflops or fabric.device.type == "cuda":
-        flops_of = speed.training_flops_fn(model, loss_fn, lambda size: spec.example_batch(1, size, "cpu"),
+        from fabric_utils.flops import training_flops_fn
+        flops_of = training_flops_fn(model, loss_fn, lambda size: spec.example_batch(1, size, "cpu"),
                                      max_size=spec.lengths.longest if spec.lengths else None)
     if args.precision == FP8:  # before compiling and set-up, which wrap the float8 layers as any other
         from fabric_utils.fp8 import convert_to_float8

@@ -12,7 +12,7 @@ import task
 from conftest import REPO, Job, kill_all, resumed_step, run
 from fabric_utils.args import build_parser
 from fabric_utils.sharding import block_classes
-from fabric_utils.speed import count_flops
+from fabric_utils.flops import count_flops
 from fabric_utils.task_spec import TaskSpec
 from train import flag_parser, parse_args
 
