@@ -17,7 +17,7 @@ import torch
 import yaml
 
 from fabric_utils.errors import UserError
-from fabric_utils.loggers import save_tracker_ids
+from fabric_utils.loggers import start_trackers
 from fabric_utils.progress import say
 
 RUN_DIR_ENV = "FABRIC_TEMPLATE_RUN_DIR"
@@ -145,12 +145,12 @@ def _cpu_model() -> str:
 
 def save_config(fabric, args, out_dir: Path, environment: dict, resumed_at: int | None = None) -> None:
     """``config.yaml`` (``--config`` reruns it) and ``environment.json``, a resume's named ``-resumed-at-step-N``;
-    then starts the tracked runs (``save_tracker_ids``)."""
+    then starts the tracked runs."""
     if fabric.is_global_zero:
         segment = "" if resumed_at is None else f"-resumed-at-step-{resumed_at:06d}"
         (out_dir / f"config{segment}.yaml").write_text(yaml.safe_dump(vars(args), sort_keys=False))
         (out_dir / f"environment{segment}.json").write_text(json.dumps(environment, indent=1))
-    save_tracker_ids(fabric, out_dir)
+    start_trackers(fabric, out_dir)
 
 
 def write_predictions(path: Path, columns: dict) -> None:
