@@ -148,7 +148,7 @@ def build(fabric, args, spec: TaskSpec, loss_fn, pretrained: bool):
     # at rate 0: the schedule sets the peak once the run's length, on which the default depends, is known
     def new_optimizer(module):
         return optim.build_optimizer(module, name=args.optimizer, lr=0.0, weight_decay=args.weight_decay,
-                                     device=fabric.device, offload=strategy.offloads_optimizer(fabric),
+                                     device=fabric.device, cpu_adam=strategy.cpu_optimizer(fabric),
                                      loss_scaling=strategy.scales_loss(fabric), shapes=shapes)
 
     if strategy.builds_optimizer_after_setup(fabric):  # on what set-up made: FSDP's shards, transformer-engine's layers
@@ -158,7 +158,7 @@ def build(fabric, args, spec: TaskSpec, loss_fn, pretrained: bool):
     else:  # DeepSpeed's engine takes both at once
         torch_optimizer = new_optimizer(model)
         model, optimizer = fabric.setup(model, torch_optimizer)                                # Fabric step 3
-        sharding.compile_in_engine(fabric, compiled)
+        strategy.engine(fabric).compile_in_engine(fabric, compiled)
     if source:
         load_pretrained(fabric, model, source)
     return model, optimizer, torch_optimizer, flops_of, params

@@ -45,7 +45,7 @@ class PeakSampler(threading.Thread):
 sampler = None
 built_peak_mb = None
 task_setup = train.task.setup
-prepare_for_setup = train.prepare_for_setup
+prepare_for_setup = train.sharding.prepare_for_setup
 
 
 def probed_setup(args, verbose):
@@ -70,7 +70,7 @@ def stop_before_training(fabric, *args, **kwargs):
 
 
 train.task.setup = probed_setup
-train.prepare_for_setup = probed_prepare_for_setup
+train.sharding.prepare_for_setup = probed_prepare_for_setup
 train.fit = stop_before_training
 
 if __name__ == "__main__":

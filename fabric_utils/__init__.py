@@ -1,6 +1,6 @@
 """The task-free helpers train.py calls, vendored (``copier update`` brings their fixes), one module per concern; a
 module loads when train.py imports it, and a feature behind a flag (``--batch-size auto``, ``--precision fp8-mixed``,
-the trackers, DeepSpeed, MFU's FLOP count, ``--compile``) only when that flag asks. Here only what ``--help`` and a bad
+the trackers, a strategy's engine, MFU's FLOP count, ``--compile``) only when that flag asks. Here only what ``--help`` and a bad
 flag need, which answer before torch loads. ``strategy`` alone looks at the type of the strategy in use."""
 
 from fabric_utils.args import FP8, Config, build_parser, parse_flags  # the flags, then the run's read-only config

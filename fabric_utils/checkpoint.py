@@ -56,7 +56,8 @@ def save_checkpoint(fabric, root: Path, tag: str, state: dict, keep_last: int | 
     fabric.barrier()
     try:
         tmp.mkdir(parents=True, exist_ok=True)
-        with _deepspeed_weights_only(fabric, state):
+        engine = strategy.engine(fabric)
+        with engine.without_adam_moments(fabric, state) if engine else contextlib.nullcontext():
             fabric.save(tmp / "state", with_loss_scaler(fabric, state))
         torch.save(rng_state(), tmp / f"rng-rank{fabric.global_rank}.pt")
     except OSError as err:
@@ -95,34 +96,6 @@ def remove_checkpoint(path: Path) -> None:
 def with_loss_scaler(fabric, state: dict) -> dict:
     """``state`` plus the loss scaler Fabric leaves out: a resume at the first scale would skip steps."""
     return {**state, "loss_scaler": fabric.strategy.precision} if strategy.scales_loss(fabric) else state
-
-
-@contextlib.contextmanager
-def _deepspeed_weights_only(fabric, state: dict):
-    """DeepSpeed writes its optimizer whatever ``state`` holds: without one (``best``), leave out Adam's moments."""
-    if not strategy.uses_deepspeed(fabric):
-        yield
-        return
-    from deepspeed.checkpoint.constants import BASE_OPTIMIZER_STATE, OPTIMIZER_STATE_DICT
-    from deepspeed.runtime.base_optimizer import DeepSpeedOptimizer
-
-    optimizer = fabric.strategy.model.optimizer  # the engine's ZeRO optimizer
-    if any(isinstance(obj, (torch.optim.Optimizer, DeepSpeedOptimizer)) for obj in state.values()):
-        yield
-        return
-    full = optimizer.state_dict
-
-    def without_moments() -> dict:
-        written = {k: v for k, v in full().items() if k != BASE_OPTIMIZER_STATE}
-        if OPTIMIZER_STATE_DICT in written:
-            written[OPTIMIZER_STATE_DICT] = {**written[OPTIMIZER_STATE_DICT], "state": {}}  # load_weights reads it
-        return written
-
-    optimizer.state_dict = without_moments
-    try:
-        yield
-    finally:
-        del optimizer.state_dict  # the class's own again
 
 
 def load_weights(fabric, path: Path, model) -> None:
@@ -213,7 +186,7 @@ def agreed_resume_checkpoint(fabric, resume: str | None, root: Path,
     found, refused = None, None
     if fabric.is_global_zero:
         found = find_resume_checkpoint(resume, root, report)
-        refused = _refusal(found) if found else None
+        refused = _refusal(fabric, found) if found else None
     chosen, refused = fabric.broadcast((None if found is None else str(found), refused))
     if refused:
         raise UserError(refused)
@@ -225,9 +198,10 @@ def agreed_resume_checkpoint(fabric, resume: str | None, root: Path,
     return Path(chosen)
 
 
-def _refusal(folder: Path) -> str | None:
+def _refusal(fabric, folder: Path) -> str | None:
+    engine = strategy.engine(fabric)
     try:
-        check_folder(folder)
+        check_folder(folder, engine.checkpoint_classes if engine else lambda path: [])
     except UserError as err:
         return str(err)
     return None
@@ -238,7 +212,7 @@ def verify(fabric, folder: Path) -> None:
     refused = None
     if fabric.is_global_zero:
         problem = damage(folder)
-        refused = f"checkpoint {folder} is damaged: {problem}" if problem else _refusal(folder)
+        refused = f"checkpoint {folder} is damaged: {problem}" if problem else _refusal(fabric, folder)
     if refused := fabric.broadcast(refused):
         raise UserError(refused)
 

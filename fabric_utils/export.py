@@ -7,23 +7,16 @@ from pathlib import Path
 
 import torch
 
+from fabric_utils import strategy
 from fabric_utils.private import _load_distributed_checkpoint
 
 
 def full_state_dict(state_path: Path) -> dict:
-    """The model's full weights from a ``fabric.save`` checkpoint of any strategy."""
-    if state_path.is_file():  # single device, DDP
+    """The model's full weights from a ``fabric.save`` checkpoint: one file (single device, DDP), or FSDP's and
+    FSDP2's shards."""
+    if state_path.is_file():
         return torch.load(state_path, map_location="cpu", weights_only=True)["model"]
-    if not ((state_path / "latest").exists() or any(state_path.glob("*/mp_rank_*"))):
-        return _load_distributed_checkpoint(state_path)["model"]  # FSDP's and FSDP2's shards
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-    # ZeRO's fp32 master weights, plus the frozen ones (LoRA's base) it leaves out, whole in its module file
-    weights = get_fp32_state_dict_from_zero_checkpoint(str(state_path), tag="checkpoint")
-    module_file = min((state_path / "checkpoint").glob("*model_states.pt"))  # ZeRO-3 writes one per rank
-    module = torch.load(module_file, map_location="cpu", weights_only=True, mmap=True)["module"]
-    weights.update({name: module[name] for name in module.keys() - weights.keys()})
-    return weights
+    return _load_distributed_checkpoint(state_path)["model"]
 
 
 def export_model(fabric, best_state: Path, out: Path, model: torch.nn.Module, fingerprint: dict,
@@ -34,7 +27,8 @@ def export_model(fabric, best_state: Path, out: Path, model: torch.nn.Module, fi
         tmp = out.with_name(f".tmp-{out.name}")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        weights = full_state_dict(best_state)
+        engine = strategy.engine(fabric)
+        weights = engine.full_state_dict(best_state) if engine else full_state_dict(best_state)
         if write is not None:
             write(weights, model, tmp)
         else:

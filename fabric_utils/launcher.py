@@ -12,17 +12,15 @@ from pathlib import Path
 import torch
 from lightning.fabric import Fabric
 from lightning.fabric.accelerators import ACCELERATOR_REGISTRY
-from lightning.fabric.plugins.precision import DeepSpeedPrecision, Precision
-from lightning.fabric.strategies import STRATEGY_REGISTRY, DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
-from lightning.fabric.strategies import deepspeed as fabric_deepspeed
+from lightning.fabric.plugins.precision import Precision
+from lightning.fabric.strategies import STRATEGY_REGISTRY, FSDPStrategy, ModelParallelStrategy
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
 from fabric_utils.args import FP8, FSDP2, LAUNCH_DEFAULTS, fabric_run_settings, launched_by_cli
 from fabric_utils.errors import PeerLost, UserError, first_line, lost_a_peer
-from fabric_utils.private import _BackwardSyncControl, set_backward_sync_control
 from fabric_utils.sharding import BlockPolicy, materialize_unit, mixed_precision_policy, shard_blocks
-from fabric_utils.strategy import uses_deepspeed
+from fabric_utils import strategy as strategy_in_use
 
 
 def launch(fabric: Fabric) -> None:
@@ -125,11 +123,8 @@ def build_fabric(accelerator=None, devices=None, num_nodes=None, strategy=None, 
     if precision == FP8:
         from fabric_utils.fp8 import check_fp8_supported
         check_fp8_supported(fabric.device, settings["strategy"])
-    deepspeed = uses_deepspeed(fabric)
-    # Fabric refuses DeepSpeed off CUDA only once each process started (the tests' CPU shim swaps the class)
-    if deepspeed and not isinstance(fabric.accelerator, fabric_deepspeed.CUDAAccelerator):
-        raise UserError(f"--strategy {settings['strategy']} needs CUDA GPUs (DeepSpeed); on a CPU use --strategy ddp, "
-                        f"{FSDP2} or auto")
+    if engine := strategy_in_use.engine(fabric):
+        engine.configure(fabric, settings["strategy"], grad_clip)
     # CPU processes beyond the cores would crawl (torchrun and SLURM placed theirs already)
     environment = getattr(fabric.strategy, "cluster_environment", None)
     if (fabric.device.type == "cpu" and environment is not None and not environment.creates_processes_externally
@@ -138,8 +133,6 @@ def build_fabric(accelerator=None, devices=None, num_nodes=None, strategy=None, 
         if per_node > cores:
             raise UserError(f"--devices {settings['devices']}: {per_node} CPU processes on {cores} cores would crawl; "
                             f"use --devices {cores} or fewer (or a GPU)")
-    if deepspeed:
-        configure_deepspeed(fabric.strategy, grad_clip)
     return fabric
 
 
@@ -181,25 +174,8 @@ def check_precision_supported(precision: str, built: str, device: torch.device) 
 
 
 def warn_if_updates_vanish(plugin: Precision, lr: float) -> None:
-    """bf16 weights round away steps below 1/512 of their size; DeepSpeed alone keeps fp32 master weights."""
-    if plugin.precision == "bf16-true" and not isinstance(plugin, DeepSpeedPrecision):
+    """bf16 weights round away steps below 1/512 of their size, unless the engine keeps fp32 master weights."""
+    if plugin.precision == "bf16-true" and not strategy_in_use.keeps_fp32_weights(plugin):
         rank_zero_warn(f"--precision bf16-true keeps the weights in bf16, which rounds away updates below 1/512 of a "
                        f"weight: at --lr {lr:g}, AdamW leaves weights larger than {512 * lr:.2g} unchanged; use "
                        f"bf16-mixed (bf16 compute, fp32 weights) unless memory forces bf16-true")
-
-
-def configure_deepspeed(strategy: DeepSpeedStrategy, grad_clip: float) -> None:
-    """The clip value in DeepSpeed's config (it clips in its step), and a ``no_backward_sync`` that ends the engine's
-    accumulation (Fabric never calls ``engine.step()``)."""
-    strategy.config["gradient_clipping"] = grad_clip
-    # ZeRO-2/3 accumulate reduced shards: in fp32; ZeRO-1 would swap in BF16_Optimizer, whose checkpoints cannot export
-    if strategy.precision.precision.startswith("bf16") and strategy.config["zero_optimization"]["stage"] >= 2:
-        strategy.config.setdefault("data_types", {})["grad_accum_dtype"] = "fp32"
-    set_backward_sync_control(strategy, _DeepSpeedAccumulationBoundary())
-
-
-class _DeepSpeedAccumulationBoundary(_BackwardSyncControl):
-    @contextlib.contextmanager
-    def no_backward_sync(self, module, enabled: bool):
-        module.set_gradient_accumulation_boundary(not enabled)  # module: the DeepSpeedEngine
-        yield

@@ -5,10 +5,11 @@ import torch
 from fabric_utils.sharding import shapes_by_name
 
 
-def build_optimizer(model, name: str, lr: float, weight_decay: float, device: torch.device, offload: bool = False,
+def build_optimizer(model, name: str, lr: float, weight_decay: float, device: torch.device, cpu_adam=None,
                     loss_scaling: bool = False, shapes: dict[str, torch.Size] | None = None) -> torch.optim.Optimizer:
     """AdamW, no decay on biases and norms (by ``shapes`` from before a strategy flattened them), fused where it can
-    (a CPU too); ``adam`` is plain Adam; ``offload`` (ZeRO-Offload) needs DeepSpeed's own CPU Adam."""
+    (a CPU too); ``adam`` is plain Adam; ``cpu_adam``: the class an optimizer offloaded to the CPU must be
+    (``strategy.cpu_optimizer``)."""
     adamw = name == "adamw"
     if adamw:
         decay, no_decay = [], []
@@ -20,9 +21,8 @@ def build_optimizer(model, name: str, lr: float, weight_decay: float, device: to
         params = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     else:
         params = [param for param in model.parameters() if param.requires_grad]
-    if offload:
-        from deepspeed.ops.adam import DeepSpeedCPUAdam
-        return DeepSpeedCPUAdam(params, lr=lr, adamw_mode=adamw)
+    if cpu_adam is not None:
+        return cpu_adam(params, lr=lr, adamw_mode=adamw)
     if not adamw:
         return torch.optim.Adam(params, lr=lr)
     # a loss scaler's unscaling before clipping is refused by fused kernels

@@ -37,11 +37,7 @@ def _build(fabric, build, build_skeleton, pretrained: bool):
         return source(), None
     with torch.random.fork_rng(devices=[]):
         if strategy.uses_zero3(fabric):
-            with fabric.init_module(empty_init=True):  # partitioned as created
-                model = build_skeleton()
-            if pretrained:
-                load_zero3(model, source() if fabric.global_rank == 0 else None)
-            return model, None
+            return strategy.engine(fabric).build_zero3(fabric, build_skeleton, source if pretrained else None), None
         with fabric.init_module(empty_init=False), parameters_on_meta():
             model = build_skeleton()
     # tied weights: materialized one shard unit at a time, they would come apart
@@ -91,21 +87,6 @@ def load_fsdp(module: nn.Module, source: nn.Module | None) -> None:
                     from_rank0(param, found, unwrapped_name(name))
     for name, buffer in module.named_buffers():
         from_rank0(buffer, found, unwrapped_name(name))
-
-
-def load_zero3(model: nn.Module, source: nn.Module | None) -> None:
-    """One module's parameters gathered at a time, before set-up makes fp32 master weights of them."""
-    import deepspeed
-
-    found = source_values(source)
-    for prefix, module in model.named_modules():
-        params = dict(module.named_parameters(prefix=prefix, recurse=False))
-        with deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=0), torch.no_grad():
-            if found is not None:
-                for name, param in params.items():
-                    param.copy_(found[name])
-    for name, buffer in model.named_buffers():
-        from_rank0(buffer, found, name)
 
 
 def source_values(source: nn.Module | None) -> dict[str, torch.Tensor] | None:

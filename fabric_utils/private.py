@@ -1,13 +1,13 @@
 """Every private Lightning and PyTorch API the template uses, each with why: any release may change them, so on an
 upgrade this is the module to check (written against lightning 2.6 and torch 2.13)."""
 
-# a base class for a strategy's ``no_backward_sync``, which Fabric's DeepSpeed strategy lacks (launcher.py gives it one)
+# a base class for a strategy's ``no_backward_sync``, which one of Fabric's strategies lacks (strategy.engine gives it)
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
 # Lightning's launcher for ``python train.py --devices N``: its children must exit before it kills them
 from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 # reads FSDP's and FSDP2's sharded checkpoint whole in one process, without a process group (the export)
 from lightning.fabric.utilities.load import _load_distributed_checkpoint
-# the eager module and compile arguments of a compiled one: DeepSpeed compiles inside its engine, not around it
+# the eager module and compile arguments of a compiled one: an engine compiles inside itself, not around it
 from lightning.fabric.wrappers import _unwrap_compiled
 # per-module activation checkpointing, which FSDP2 and torchtitan use: PyTorch keeps it only in this private module
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (

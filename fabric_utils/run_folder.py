@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 import yaml
 
+from fabric_utils import strategy
 from fabric_utils.errors import UserError
 from fabric_utils.loggers import start_trackers
 from fabric_utils.progress import say
@@ -116,7 +117,7 @@ def remove_if_unused(path: Path) -> None:
 
 
 def package_version(name: str) -> str | None:
-    """Without importing it (deepspeed's import probes for CUDA)."""
+    """Without importing it (some probe for CUDA as they load)."""
     with contextlib.suppress(importlib.metadata.PackageNotFoundError):
         return importlib.metadata.version(name)
     return None
@@ -129,7 +130,8 @@ def environment_report(fabric) -> dict:
     else:
         device = {"cpu": _cpu_model(), "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()}
     return {"python": sys.version.split()[0], "platform": platform.platform(), "torch": torch.__version__,
-            **{name: package_version(name) for name in ("lightning", "transformers", "datasets", "deepspeed", "peft")},
+            **{name: package_version(name) for name in ("lightning", "transformers", "datasets", "peft",
+                                                        *strategy.libraries(fabric))},
             **device, "world_size": fabric.world_size, "num_nodes": getattr(fabric.strategy, "num_nodes", 1),
             "strategy": type(fabric.strategy).__name__, "precision": fabric.strategy.precision.precision,
             "accelerator": type(fabric.accelerator).__name__}

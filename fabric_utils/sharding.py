@@ -8,7 +8,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from fabric_utils import strategy
 from fabric_utils.errors import UserError
-from fabric_utils.private import CheckpointWrapper, _unwrap_compiled, apply_activation_checkpointing
+from fabric_utils.private import CheckpointWrapper, apply_activation_checkpointing
 
 
 def block_classes(model: nn.Module, required: bool = True) -> tuple[type, ...]:
@@ -84,17 +84,6 @@ def materialize_unit(module: nn.Module) -> None:
         materialize(module, torch.device("cpu"), recurse=False)
 
 
-def gather_one_block_at_a_time(zero_config: dict, model: nn.Module) -> None:
-    """ZeRO-3's reuse distance, prefetch and buckets sized to the largest block: its default keeps a small model
-    gathered whole."""
-    blocks = block_classes(model, required=False)
-    units = [module for module in model.modules()
-             if isinstance(module, blocks) or (not blocks and next(module.children(), None) is None)]
-    block = max(sum(full_shape(param).numel() for param in unit.parameters()) for unit in units)
-    zero_config.update(stage3_max_reuse_distance=block, stage3_prefetch_bucket_size=block,
-                       stage3_max_live_parameters=2 * block, reduce_bucket_size=block)
-
-
 # what wrappers (Fabric, FSDP, activation checkpointing, torch.compile) insert into a parameter's name
 WRAPPER_NAME_PARTS = frozenset({"_forward_module", "_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
 
@@ -109,17 +98,13 @@ def full_shape(param: nn.Parameter) -> torch.Size:
 
 
 def prepare_for_setup(fabric, model: nn.Module) -> tuple[nn.Module, dict | None]:
-    """``model`` in fp32 for set-up, unless it is sharded later (FSDP2: ``cast_shards``; DeepSpeed's master weights),
-    and DeepSpeed's ``torch.compile`` arguments for ``compile_in_engine`` (else None)."""
-    deepspeed = strategy.uses_deepspeed(fabric)
-    if not (strategy.uses_fsdp2(fabric) or deepspeed and fabric.strategy.precision.precision != "32-true"):
+    """``model`` in fp32 for set-up, unless it is sharded later (FSDP2: ``cast_shards``), and an engine's
+    ``torch.compile`` arguments (else None)."""
+    if engine := strategy.engine(fabric):
+        return engine.prepare_for_setup(fabric, model)
+    if not strategy.uses_fsdp2(fabric):
         model.float()
-    if not deepspeed:
-        return model, None
-    if strategy.uses_zero3(fabric):
-        gather_one_block_at_a_time(strategy.deepspeed_config(fabric)["zero_optimization"], model)
-    # inside its engine, its hooks eager; Fabric would compile the whole engine
-    return _unwrap_compiled(model)
+    return model, None
 
 
 def cast_shards(fabric, model: nn.Module) -> nn.Module:
@@ -127,13 +112,6 @@ def cast_shards(fabric, model: nn.Module) -> nn.Module:
     if strategy.uses_fsdp2(fabric):
         fabric.strategy.precision.convert_module(model.float())
     return model
-
-
-def compile_in_engine(fabric, compile_kwargs: dict | None) -> None:
-    """DeepSpeed's engine compiles the module with ``prepare_for_setup``'s arguments."""
-    if compile_kwargs is not None:
-        backend = {"backend": compile_kwargs.pop("backend")} if "backend" in compile_kwargs else {}
-        fabric.strategy.model.compile(**backend, compile_kwargs=compile_kwargs)
 
 
 def full_shapes(model: nn.Module) -> dict[str, torch.Size]:

@@ -1,5 +1,6 @@
 """What the strategy in use can do, answered in one place: the only module that looks at a strategy's type."""
 
+from lightning.fabric.plugins.precision import DeepSpeedPrecision
 from lightning.fabric.strategies import (DDPStrategy, DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy,
                                          SingleDeviceStrategy)
 
@@ -8,6 +9,19 @@ from fabric_utils.args import FP8
 
 def uses_deepspeed(fabric) -> bool:
     return isinstance(fabric.strategy, DeepSpeedStrategy)
+
+
+def engine(fabric):
+    """What DeepSpeed's engine needs beyond Fabric (deepspeed_engine.py), loaded where the run uses it; else None."""
+    if not uses_deepspeed(fabric):
+        return None
+    from fabric_utils import deepspeed_engine
+    return deepspeed_engine
+
+
+def libraries(fabric) -> tuple[str, ...]:
+    """The packages beyond torch and Lightning that run the strategy, whose versions a run records."""
+    return ("deepspeed",) if uses_deepspeed(fabric) else ()
 
 
 def uses_zero3(fabric) -> bool:
@@ -51,6 +65,16 @@ def offloads_optimizer(fabric) -> bool:
     """ZeRO-Offload, which accepts only DeepSpeed's own CPU optimizers."""
     offload = deepspeed_config(fabric).get("zero_optimization", {}).get("offload_optimizer", {})
     return offload.get("device") in ("cpu", "nvme")
+
+
+def cpu_optimizer(fabric):
+    """The optimizer class ZeRO-Offload takes in place of torch's (DeepSpeed's CPU Adam), or None."""
+    return engine(fabric).cpu_adam() if offloads_optimizer(fabric) else None
+
+
+def keeps_fp32_weights(plugin) -> bool:
+    """Whether a precision plugin updates fp32 master weights under bf16-true: DeepSpeed's alone."""
+    return isinstance(plugin, DeepSpeedPrecision)
 
 
 def reshards_checkpoints(fabric) -> bool:

@@ -214,9 +214,9 @@ def deepspeed_accepts_cpu(monkeypatch):
     """Fabric's DeepSpeed strategy built in this process on the CPU, as the tests' shim lets a subprocess run it
     (Fabric accepts only CUDA for it): to test what the launcher makes of DeepSpeed flags."""
     from lightning.fabric.accelerators import CPUAccelerator
+    from lightning.fabric.strategies import deepspeed as fabric_deepspeed
 
-    from fabric_utils import launcher
-    monkeypatch.setattr(launcher.fabric_deepspeed, "CUDAAccelerator", CPUAccelerator)
+    monkeypatch.setattr(fabric_deepspeed, "CUDAAccelerator", CPUAccelerator)
 
 
 def fake_gpu(monkeypatch, native_bf16: bool) -> None:

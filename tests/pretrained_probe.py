@@ -74,7 +74,7 @@ def probed_setup(args, verbose):
     return job
 
 
-prepare_for_setup = train.prepare_for_setup
+prepare_for_setup = train.sharding.prepare_for_setup
 
 
 def probed_prepare_for_setup(fabric, model):
@@ -99,7 +99,7 @@ def probed_fit(fabric, args, state, **kwargs):
 
 
 train.task.setup = probed_setup
-train.prepare_for_setup = probed_prepare_for_setup
+train.sharding.prepare_for_setup = probed_prepare_for_setup
 train.fit = probed_fit
 
 if __name__ == "__main__":

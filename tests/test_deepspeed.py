@@ -44,7 +44,7 @@ def test_offload_optimizer_is_deepspeeds_cpu_adam_with_the_same_update(name):
     models[1].load_state_dict(models[0].state_dict())
     start = models[0].weight.detach().clone()
     torch_opt, cpu_adam = (build_optimizer(m, name=name, lr=0.01, weight_decay=0.1, device=torch.device("cpu"),
-                                           offload=offload)
+                                           cpu_adam=DeepSpeedCPUAdam if offload else None)
                            for m, offload in zip(models, (False, True)))
     assert isinstance(cpu_adam, DeepSpeedCPUAdam) and not isinstance(torch_opt, DeepSpeedCPUAdam)
     assert [g["weight_decay"] for g in cpu_adam.param_groups] == [g["weight_decay"] for g in torch_opt.param_groups]

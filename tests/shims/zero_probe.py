@@ -11,7 +11,7 @@
     checkpoints: a model with frozen weights (as LoRA leaves the base model) trained two steps, saved as a step
         checkpoint and as a weights-only one as train.py saves ``checkpoints/best``.
         bytes: the size on disk of each checkpoint; trainable: the number of trained (not frozen) weights.
-        export_keys / missing: the names ``export.full_state_dict`` gathers from the weights-only checkpoint, and
+        export_keys / missing: the names ``deepspeed_engine.full_state_dict`` gathers from the weights-only checkpoint, and
             those of the model it lacks; export_matches: whether every gathered weight equals the trained one.
         reloaded_matches: whether loading the weights-only checkpoint into a fresh engine, as train.py's finish()
             does, gives back the trained weights.
@@ -31,10 +31,9 @@ import torch
 import torch.nn.functional as F
 
 from fabric_utils.checkpoint import load_weights, save_checkpoint
-from fabric_utils.export import full_state_dict
+from fabric_utils.deepspeed_engine import compile_in_engine, full_state_dict, prepare_for_setup
 from fabric_utils.launcher import build_fabric, end_job
 from fabric_utils.optim import build_optimizer
-from fabric_utils.sharding import compile_in_engine, prepare_for_setup
 from fabric_utils.speed import warm_up
 
 STEPS, ROWS, FEATURES = 3, 8, 16
