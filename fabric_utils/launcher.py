@@ -17,7 +17,7 @@ from lightning.fabric.strategies import STRATEGY_REGISTRY, FSDPStrategy, ModelPa
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
-from fabric_utils.args import FP8, FSDP2, LAUNCH_DEFAULTS, fabric_run_settings, launched_by_cli
+from fabric_utils.args import FP8, FSDP2, LAUNCH_DEFAULTS, launched_by_cli
 from fabric_utils.errors import PeerLost, UserError, first_line, lost_a_peer
 from fabric_utils.sharding import BlockPolicy, materialize_unit, mixed_precision_policy, shard_blocks
 from fabric_utils import strategy as strategy_in_use
@@ -75,7 +75,10 @@ def join_restarted_torchrun_workers(fabric: Fabric) -> None:
 
 def resolve_launch_settings(flags: dict) -> dict:
     """The five settings Fabric gets: ``fabric run``'s, else ``flags`` (None: not given), else the defaults."""
-    from_cli = fabric_run_settings(flags)
+    from_cli = {}
+    if launched_by_cli():
+        from fabric_utils.fabric_run import fabric_run_settings
+        from_cli = fabric_run_settings(flags)
     settings = {name: from_cli.get(name, default if flags.get(name) is None else flags[name])
                 for name, default in LAUNCH_DEFAULTS.items()}
     settings["num_nodes"] = int(settings["num_nodes"])
