@@ -140,7 +140,8 @@ def build(fabric, args, spec: TaskSpec, loss_fn, pretrained: bool):
         from fabric_utils.fp8 import convert_to_float8
         convert_to_float8(model)
     if args.compile:  # fabric.setup recompiles it around the strategy's wrapper
-        model = speed.compile_model(model, args.compile_mode, cuda_graphs=strategy.fits_cuda_graphs(fabric))
+        from fabric_utils.compiling import compile_model
+        model = compile_model(model, args.compile_mode, cuda_graphs=strategy.fits_cuda_graphs(fabric))
     # fp32 weights to update; DeepSpeed compiles in its engine
     model, compiled = sharding.prepare_for_setup(fabric, model)
     shapes = sharding.full_shapes(model)  # before FSDP flattens them: AdamW decays only the matrices
@@ -245,9 +246,10 @@ def fit(fabric, config, state: TrainState, loaders, preemption, ckpt_dir, max_st
                               chance_loss=spec.chance_loss, losses=state.train_losses)
     monitor = progress.Throughput(fabric, config.peak_tflops, flops_of, sized=spec.lengths is not None)
     if config.compile:
-        kinds = speed.batch_kinds(itertools.chain([spec.example_batch(config.batch_size, None, "cpu")], train_loader))
-        speed.warm_up(fabric, model, optimizer,
-                      [fabric.to_device(fill_rows(batch, config.batch_size)) for batch in kinds], loss_fn)
+        from fabric_utils.compiling import batch_kinds, warm_up
+        kinds = batch_kinds(itertools.chain([spec.example_batch(config.batch_size, None, "cpu")], train_loader))
+        warm_up(fabric, model, optimizer, [fabric.to_device(fill_rows(batch, config.batch_size)) for batch in kinds],
+                loss_fn)
     clips = config.grad_clip and strategy.clips_in_loop(fabric)  # DeepSpeed clips inside optimizer.step()
     fabric.barrier()
     monitor.start(state.step)

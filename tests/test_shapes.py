@@ -69,7 +69,7 @@ def test_after_warm_up_an_epoch_of_bucketed_batches_compiles_nothing(demo_tokeni
     from lightning.fabric import Fabric
 
     from fabric_utils.private import dynamo_counters
-    from fabric_utils.speed import batch_kinds, compile_model, warm_up
+    from fabric_utils.compiling import batch_kinds, compile_model, warm_up
 
     config = AutoConfig.for_model("bert", vocab_size=len(demo_tokenizer), hidden_size=16, num_hidden_layers=1,
                                   num_attention_heads=2, intermediate_size=32, num_labels=2)

@@ -22,7 +22,7 @@ from fabric_utils.launcher import build_fabric, end_job, launch  # noqa: E402
 from fabric_utils.loggers import make_loggers  # noqa: E402
 from fabric_utils.optim import build_optimizer  # noqa: E402
 from fabric_utils.progress import Progress, Throughput  # noqa: E402
-from fabric_utils.speed import training_flops_fn  # noqa: E402
+from fabric_utils.flops import training_flops_fn  # noqa: E402
 
 
 class Regressor(torch.nn.Module):

@@ -1,7 +1,7 @@
 """Test-only script: trains tiny models through ``build_fabric`` with a DeepSpeed strategy on 2 CPU processes
 (run it under the shim in sitecustomize.py) and writes what tests/test_deepspeed.py checks as JSON to OUT:
 
-    warm_up: one step, with and without ``speed.warm_up`` before it: the weights after it.
+    warm_up: one step, with and without ``compiling.warm_up`` before it: the weights after it.
     accumulate: for --grad-accum 1, 2 and 4 over the same rows, train.py's loop (backward per micro-batch inside
         ``fabric.no_backward_sync``, a step per group): the gradient bytes this rank passed to reductions in
         backward and in step, and the weights before and after.
@@ -34,7 +34,7 @@ from fabric_utils.checkpoint import load_weights, save_checkpoint
 from fabric_utils.deepspeed_engine import compile_in_engine, full_state_dict, prepare_for_setup
 from fabric_utils.launcher import build_fabric, end_job
 from fabric_utils.optim import build_optimizer
-from fabric_utils.speed import warm_up
+from fabric_utils.compiling import warm_up
 
 STEPS, ROWS, FEATURES = 3, 8, 16
 WIDTH = 128  # of the checkpointed model
