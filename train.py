@@ -36,10 +36,10 @@ from pathlib import Path
 import torch
 from torchmetrics import MeanMetric, SumMetric
 
-from fabric_utils import checkpoint, export, launcher, loggers, optim, progress, run_folder, sharding, speed, strategy
+from fabric_utils import (checkpoint, export, launcher, loggers, optim, pretrained, progress, run_folder, sharding,
+                          speed, strategy)
 from fabric_utils.loaders import at_most_rows_per_device, cut_splits, fill_rows, first_rows, make_dataloaders
 from fabric_utils.preemption import Preemption
-from fabric_utils.pretrained import build_model, load_pretrained
 from fabric_utils.progress import say
 from fabric_utils.threads import set_threads
 
@@ -75,21 +75,24 @@ def main(fabric, flags, out_dir: Path) -> dict:
     with fabric.rank_zero_first(local=True):  # rank 0 of each node prepares the data first; the others read its cache
         spec: TaskSpec = task.setup(flags, verbose=progress.shows_bars(fabric, flags.quiet, flags.verbose))
 
-    resume_from = checkpoint.agreed_resume_checkpoint(fabric, flags.resume, out_dir / "checkpoints", report=say)
+    resume_from = None
+    if flags.resume:  # the checkpoint to continue, as rank 0 finds it
+        from fabric_utils import resume
+        resume_from = resume.agreed_resume_checkpoint(fabric, flags.resume, out_dir / "checkpoints", report=say)
 
     def loss_fn(model, batch: dict) -> torch.Tensor:  # a batch's training loss: to count FLOPs, probe, warm up
         return spec.objective.loss(spec.objective.forward(model, batch), batch)
 
-    model, optimizer, torch_optimizer, flops_of, params = build(fabric, flags, spec, loss_fn,
-                                                                pretrained=not resume_from)
+    model, optimizer, torch_optimizer, flops_of, params = build(fabric, flags, spec, loss_fn, fresh=not resume_from)
     batch_size = flags.batch_size
     if batch_size == "auto":  # the largest that fits the set-up model, found by real steps at rate 0
         from fabric_utils.batch_size import find_batch_size
         batch_size = find_batch_size(fabric, model, optimizer, loss_fn=loss_fn,
                                      make_batch=lambda rows: spec.example_batch(rows, None, fabric.device))
     batch_size = at_most_rows_per_device(batch_size, len(spec.datasets["train"]), fabric.world_size)
-    # the same rows per optimizer step on new devices
-    grad_accum = checkpoint.keep_rows_per_step(fabric, batch_size, flags.grad_accum, resume_from)
+    grad_accum = flags.grad_accum
+    if resume_from:  # the same rows per optimizer step on new devices
+        grad_accum = resume.keep_rows_per_step(fabric, batch_size, flags.grad_accum, resume_from)
     if flags.fast_dev_run:  # N batches of each split on every process
         spec = cut_splits(spec, flags.fast_dev_run * fabric.world_size, train_rows=batch_size * grad_accum,
                           eval_rows=flags.eval_batch_size or 2 * batch_size)
@@ -124,12 +127,12 @@ def main(fabric, flags, out_dir: Path) -> dict:
     return results
 
 
-def build(fabric, args, spec: TaskSpec, loss_fn, pretrained: bool):
+def build(fabric, args, spec: TaskSpec, loss_fn, fresh: bool):
     """The task's model and optimizer set up by Fabric, the torch optimizer inside (for the schedule), the FLOPs per
-    training step (MFU) and parameter counts; ``pretrained``: load the task's values (else a checkpoint will)."""
+    training step (MFU) and parameter counts; ``fresh``: load the task's values (else a checkpoint will)."""
     # under fsdp, fsdp2 and ZeRO-3 already sharded, filled with the pretrained values after set-up
-    model, source = build_model(fabric, spec.build_model, spec.build_skeleton, pretrained=pretrained,
-                                grad_checkpointing=args.grad_checkpointing)
+    model, source = pretrained.build_model(fabric, spec.build_model, spec.build_skeleton, pretrained=fresh,
+                                           grad_checkpointing=args.grad_checkpointing)
     params = optim.count_parameters(model)
     flops_of = None  # FLOPs of forward and backward, for MFU, which needs the device's peak: a CPU has none
     if args.peak_tflops or fabric.device.type == "cuda":
@@ -140,8 +143,8 @@ def build(fabric, args, spec: TaskSpec, loss_fn, pretrained: bool):
         from fabric_utils.fp8 import convert_to_float8
         convert_to_float8(model)
     if args.compile:  # fabric.setup recompiles it around the strategy's wrapper
-        from fabric_utils.compiling import compile_model
-        model = compile_model(model, args.compile_mode, cuda_graphs=strategy.fits_cuda_graphs(fabric))
+        from fabric_utils import compiling
+        model = compiling.compile_model(model, args.compile_mode, cuda_graphs=strategy.fits_cuda_graphs(fabric))
     # fp32 weights to update; DeepSpeed compiles in its engine
     model, compiled = sharding.prepare_for_setup(fabric, model)
     shapes = sharding.full_shapes(model)  # before FSDP flattens them: AdamW decays only the matrices
@@ -161,7 +164,7 @@ def build(fabric, args, spec: TaskSpec, loss_fn, pretrained: bool):
         model, optimizer = fabric.setup(model, torch_optimizer)                                # Fabric step 3
         strategy.engine(fabric).compile_in_engine(fabric, compiled)
     if source:
-        load_pretrained(fabric, model, source)
+        pretrained.load_pretrained(fabric, model, source)
     return model, optimizer, torch_optimizer, flops_of, params
 
 
@@ -213,8 +216,8 @@ def restore(fabric, config, spec: TaskSpec, model, optimizer, scheduler, max_ste
     state = TrainState(model, optimizer, scheduler, fingerprint=fingerprint, config=vars(config),
                        rows_per_batch=rows_per_batch)
     if resume_from:
-        # fills it in place
-        checkpoint.load_checkpoint(fabric, resume_from, vars(state), expected_fingerprint=fingerprint)
+        from fabric_utils import resume
+        resume.load_checkpoint(fabric, resume_from, vars(state), expected_fingerprint=fingerprint)  # fills it in place
         # the same row of the epoch in this run's batches, if the number of devices changed
         state.batch_in_epoch = state.batch_in_epoch * state.rows_per_batch // rows_per_batch
         state.rows_per_batch = rows_per_batch
@@ -246,10 +249,11 @@ def fit(fabric, config, state: TrainState, loaders, preemption, ckpt_dir, max_st
                               chance_loss=spec.chance_loss, losses=state.train_losses)
     monitor = progress.Throughput(fabric, config.peak_tflops, flops_of, sized=spec.lengths is not None)
     if config.compile:
-        from fabric_utils.compiling import batch_kinds, warm_up
-        kinds = batch_kinds(itertools.chain([spec.example_batch(config.batch_size, None, "cpu")], train_loader))
-        warm_up(fabric, model, optimizer, [fabric.to_device(fill_rows(batch, config.batch_size)) for batch in kinds],
-                loss_fn)
+        from fabric_utils import compiling
+        kinds = compiling.batch_kinds(itertools.chain([spec.example_batch(config.batch_size, None, "cpu")],
+                                                      train_loader))
+        compiling.warm_up(fabric, model, optimizer,
+                          [fabric.to_device(fill_rows(batch, config.batch_size)) for batch in kinds], loss_fn)
     clips = config.grad_clip and strategy.clips_in_loop(fabric)  # DeepSpeed clips inside optimizer.step()
     fabric.barrier()
     monitor.start(state.step)

@@ -74,7 +74,8 @@ SCHEDULE_RESUME = r"""
 import json, sys
 from pathlib import Path
 import torch
-from fabric_utils.checkpoint import load_checkpoint, save_checkpoint
+from fabric_utils.checkpoint import save_checkpoint
+from fabric_utils.resume import load_checkpoint
 from fabric_utils.launcher import build_fabric
 
 class Tiny(torch.nn.Sequential):

@@ -258,7 +258,8 @@ def test_sigterm_to_the_launcher_of_two_cpu_processes(tmp_path):
 def test_find_resume_checkpoint_trusts_only_complete_folders(tmp_path):
     """The rules behind --resume auto, without a run: newest complete step folder wins; a ``best`` whose
     replacement was interrupted between its two renames is put back."""
-    from fabric_utils.checkpoint import find_resume_checkpoint, step_checkpoints
+    from fabric_utils.checkpoint import step_checkpoints
+    from fabric_utils.resume import find_resume_checkpoint
 
     ckpt = tmp_path / "checkpoints"
     for name in ("step-000005", "step-000010", ".old-best"):
@@ -279,7 +280,7 @@ def test_find_resume_checkpoint_trusts_only_complete_folders(tmp_path):
 
 
 def test_checkpoint_fingerprint_accepts_another_spelling_of_the_same_model_folder(tmp_path, monkeypatch):
-    from fabric_utils.checkpoint import _check_fingerprint
+    from fabric_utils.resume import _check_fingerprint
     from fabric_utils.errors import UserError
 
     (tmp_path / "model").mkdir()

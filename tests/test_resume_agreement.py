@@ -5,7 +5,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from fabric_utils.checkpoint import agreed_resume_checkpoint, write_manifest
+from fabric_utils.checkpoint import write_manifest
+from fabric_utils.resume import agreed_resume_checkpoint
 from fabric_utils.errors import UserError
 
 

@@ -63,7 +63,7 @@ def test_a_run_resumed_on_another_number_of_devices_ends_where_the_uninterrupted
 
 def test_a_checkpoint_that_cannot_be_resharded_is_refused_with_one_line(tmp_path):
     """A folder of FSDP or DeepSpeed shards written by 2 processes, resumed by 1: refused before anything loads."""
-    from fabric_utils.checkpoint import load_checkpoint
+    from fabric_utils.resume import load_checkpoint
     from fabric_utils.errors import UserError
     from fabric_utils.launcher import build_fabric
 

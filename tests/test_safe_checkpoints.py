@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from conftest import Job, run, shimmed
-from fabric_utils.checkpoint import find_resume_checkpoint, load_weights, verify, write_manifest
+from fabric_utils.checkpoint import load_weights, verify, write_manifest
+from fabric_utils.resume import find_resume_checkpoint
 from fabric_utils.errors import UserError
 from fabric_utils.safe_pickle import load_torch_file
 

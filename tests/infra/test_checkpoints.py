@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from fabric_utils import checkpoint
-from fabric_utils.checkpoint import find_resume_checkpoint, save_checkpoint
+from fabric_utils.checkpoint import save_checkpoint
+from fabric_utils.resume import find_resume_checkpoint
 from fabric_utils.errors import UserError
 from fabric_utils.launcher import build_fabric
 
