@@ -69,7 +69,7 @@ def imported_files(repo: Path, flags: list[str], timeout: float = 600) -> list[P
     with tempfile.TemporaryDirectory() as out:
         record = Path(out) / "imported.json"
         subprocess.run([sys.executable, "-c", RECORD, str(repo) + os.sep, str(repo / "train.py"), str(record), *flags,
-                        "--quiet", "--out-dir", str(Path(out) / "run")], cwd=out, check=True, timeout=timeout,
+                        "--out-dir", str(Path(out) / "run")], cwd=out, check=True, timeout=timeout,
                        stdout=subprocess.DEVNULL)
         return [path for path in map(Path, json.loads(record.read_text())) if ours(repo, path)]
 

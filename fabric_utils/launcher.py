@@ -13,13 +13,13 @@ import torch
 from lightning.fabric import Fabric
 from lightning.fabric.accelerators import ACCELERATOR_REGISTRY
 from lightning.fabric.plugins.precision import Precision
-from lightning.fabric.strategies import STRATEGY_REGISTRY, FSDPStrategy, ModelParallelStrategy
+from lightning.fabric.strategies import ModelParallelStrategy
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
-from fabric_utils.args import FP8, FSDP2, LAUNCH_DEFAULTS, launched_by_cli
+from fabric_utils.args import FP8, FSDP1, FSDP2, LAUNCH_DEFAULTS, launched_by_cli
 from fabric_utils.errors import PeerLost, UserError, first_line, lost_a_peer
-from fabric_utils.sharding import BlockPolicy, materialize_unit, mixed_precision_policy, shard_blocks
+from fabric_utils.sharding import mixed_precision_policy, shard_blocks
 from fabric_utils import strategy as strategy_in_use
 
 
@@ -146,11 +146,9 @@ def build_strategy(settings: dict, grad_checkpointing: bool):
         return ModelParallelStrategy(partial(shard_blocks, grad_checkpointing=grad_checkpointing,
                                              mp_policy=mixed_precision_policy(settings["precision"])),
                                      data_parallel_size=count_processes(settings), tensor_parallel_size=1)
-    if name in STRATEGY_REGISTRY and STRATEGY_REGISTRY[name]["strategy"] is FSDPStrategy:  # fsdp, fsdp_cpu_offload
-        blocks = BlockPolicy()
-        return FSDPStrategy(**STRATEGY_REGISTRY[name]["init_params"], auto_wrap_policy=blocks,
-                            activation_checkpointing_policy=blocks if grad_checkpointing else None,
-                            param_init_fn=materialize_unit)
+    if name in FSDP1:
+        from fabric_utils.fsdp1 import fsdp_strategy
+        return fsdp_strategy(name, grad_checkpointing)
     return name
 
 

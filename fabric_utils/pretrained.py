@@ -7,11 +7,10 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
 from fabric_utils import strategy
 from fabric_utils.progress import say
-from fabric_utils.sharding import materialize, recompute_blocks, unwrapped_name
+from fabric_utils.sharding import materialize, recompute_blocks
 
 
 def build_model(fabric, build: Callable[[], nn.Module], build_skeleton: Callable[[], nn.Module] | None,
@@ -70,23 +69,8 @@ def load_pretrained(fabric, model, source: Callable[[], nn.Module]) -> None:
         set_model_state_dict(module, found.state_dict() if found is not None else {},
                              options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     else:
+        from fabric_utils.fsdp1 import load_fsdp
         load_fsdp(module, found)
-
-
-def load_fsdp(module: nn.Module, source: nn.Module | None) -> None:
-    """One FSDP unit's own parameters at a time, the root first (the first to gather becomes the root)."""
-    found = source_values(source)
-    for prefix, unit in module.named_modules():
-        if not isinstance(unit, FSDP):
-            continue
-        inner = {id(param) for sub in unit.modules() if sub is not unit and isinstance(sub, FSDP)
-                 for param in sub.parameters()}
-        with FSDP.summon_full_params(unit, recurse=False, writeback=True):
-            for name, param in unit.named_parameters(prefix=prefix):
-                if id(param) not in inner:
-                    from_rank0(param, found, unwrapped_name(name))
-    for name, buffer in module.named_buffers():
-        from_rank0(buffer, found, unwrapped_name(name))
 
 
 def source_values(source: nn.Module | None) -> dict[str, torch.Tensor] | None:

@@ -35,16 +35,6 @@ def recompute_blocks(model: nn.Module) -> None:
     apply_activation_checkpointing(model, check_fn=lambda module: isinstance(module, blocks))
 
 
-class BlockPolicy:
-    """FSDP's wrap and checkpointing policy for the model's blocks, read off the root, which FSDP asks about first."""
-    blocks = None
-
-    def __call__(self, module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bool:
-        if self.blocks is None:
-            self.blocks = block_classes(module)
-        return recurse or isinstance(module, self.blocks)
-
-
 def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy:
     """Under bf16-mixed, FSDP2 gathers weights in bf16 and reduces gradients in fp32, so their sum does not round."""
     if precision == "bf16-mixed":
@@ -76,12 +66,6 @@ def materialize(module: nn.Module, device: torch.device, recurse: bool = True) -
     with torch.no_grad():
         for name, buffer in module.named_buffers(recurse=recurse):
             buffer.copy_(buffers[name])
-
-
-def materialize_unit(module: nn.Module) -> None:
-    """FSDP's ``param_init_fn``: a skeleton's parameters get memory on the CPU, whence FSDP shards them."""
-    if any(param.is_meta for param in module.parameters(recurse=False)):
-        materialize(module, torch.device("cpu"), recurse=False)
 
 
 # what wrappers (Fabric, FSDP, activation checkpointing, torch.compile) insert into a parameter's name

@@ -7,9 +7,11 @@ import pytest
 import torch
 from transformers import get_scheduler
 
+from conftest import SMALL_DEMO
 from data.demo import prepare_demo
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
 from bench import hf_trainer  # noqa: E402
 from train import build_scheduler, flag_parser  # noqa: E402
 
@@ -84,3 +86,17 @@ def test_reading_list_counts_the_code_lines_a_run_imports(tmp_path):
     assert imported(["--fp8"]) == ["fabric_utils/__init__.py", "fabric_utils/errors.py", "fabric_utils/fp8.py",
                                    "fabric_utils/loaders.py", "train.py"]
     assert code_lines(package / "loaders.py") == 3
+
+
+OPTIONAL = {"batch_size", "compiling", "deepspeed_engine", "fabric_run", "flops", "fp8", "resume", "trackers"}
+
+
+def test_a_run_imports_a_flags_module_only_when_the_flag_asks(tmp_path):
+    """A default run loads none of the modules behind a flag; --resume and --peak-tflops (MFU on a CPU) load theirs."""
+    from bench.reading_list import imported_files
+
+    def optional(*flags):
+        files = imported_files(REPO, [*SMALL_DEMO, "--max-steps", "2", *flags])
+        return {path.stem for path in files if path.parent.name == "fabric_utils"} & OPTIONAL
+    assert optional() == set()
+    assert optional("--resume", "auto", "--peak-tflops", "1") == {"flops", "resume"}
