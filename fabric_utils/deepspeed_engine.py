@@ -3,7 +3,6 @@
 checkpoints without Adam's moments, the export's gather, ZeRO-Offload's CPU Adam and its checkpoint files' classes."""
 
 import contextlib
-import logging
 import re
 from pathlib import Path
 
@@ -32,7 +31,6 @@ def configure(fabric, name: str, grad_clip: float) -> None:
     if fabric.strategy.precision.precision.startswith("bf16") and config["zero_optimization"]["stage"] >= 2:
         config.setdefault("data_types", {})["grad_accum_dtype"] = "fp32"
     set_backward_sync_control(fabric.strategy, _AccumulationBoundary())
-    logging.getLogger("DeepSpeed").addFilter(lambda record: "Setting accelerator to" not in record.getMessage())
 
 
 class _AccumulationBoundary(_BackwardSyncControl):
