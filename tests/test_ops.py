@@ -37,7 +37,7 @@ def test_compile_is_applied_around_the_ddp_wrapper(monkeypatch):
     try:
         spec = task.setup(args, verbose=False)
         loss_fn = lambda model, batch: spec.objective.loss(spec.objective.forward(model, batch), batch)  # noqa: E731
-        module = train.build(fabric, args, spec, loss_fn, pretrained=True)[0]  # as --compile builds
+        module = train.build(fabric, args, spec, loss_fn, fresh=True)[0]  # as --compile builds
     finally:
         torch.distributed.destroy_process_group()
     compiled = module._forward_module

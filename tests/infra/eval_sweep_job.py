@@ -32,7 +32,7 @@ def main():
     with fabric.rank_zero_first(local=True):
         job = task.setup(args, verbose=False)
     loss_fn = lambda model, batch: job.objective.loss(job.objective.forward(model, batch), batch)  # noqa: E731
-    model = build(fabric, args, job, loss_fn, pretrained=True)[0]  # as the loop builds and sets it up
+    model = build(fabric, args, job, loss_fn, fresh=True)[0]  # as the loop builds and sets it up
     found = []
     for rows in ROWS:
         splits = dict.fromkeys(("train", "validation", "test"), Subset(job.datasets["validation"], range(rows)))
