@@ -144,11 +144,10 @@ def step_checkpoints(root: Path, report: Callable[[str], None] | None = None) ->
     return found
 
 
-def refusal(fabric, folder: Path) -> str | None:
+def refusal(folder: Path) -> str | None:
     """Why ``folder`` cannot be loaded without running code, or None."""
-    engine = strategy.engine(fabric)
     try:
-        check_folder(folder, engine.checkpoint_classes if engine else lambda path: [])
+        check_folder(folder)
     except UserError as err:
         return str(err)
     return None
@@ -159,7 +158,7 @@ def verify(fabric, folder: Path) -> None:
     refused = None
     if fabric.is_global_zero:
         problem = damage(folder)
-        refused = f"checkpoint {folder} is damaged: {problem}" if problem else refusal(fabric, folder)
+        refused = f"checkpoint {folder} is damaged: {problem}" if problem else refusal(folder)
     if refused := fabric.broadcast(refused):
         raise UserError(refused)
 

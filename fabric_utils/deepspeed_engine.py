@@ -1,9 +1,8 @@
 """DeepSpeed (``--strategy deepspeed*``): what its engine needs beyond Fabric, loaded only in a run that uses it
 (``strategy.engine``): its config, the accumulation boundary, set-up and compile, ZeRO-3's build and pretrained load,
-checkpoints without Adam's moments, the export's gather, ZeRO-Offload's CPU Adam and its checkpoint files' classes."""
+checkpoints without Adam's moments, the export's gather and ZeRO-Offload's CPU Adam."""
 
 import contextlib
-import re
 from pathlib import Path
 
 import torch
@@ -15,9 +14,6 @@ from fabric_utils.errors import UserError
 from fabric_utils.pretrained import from_rank0, source_values
 from fabric_utils.private import _BackwardSyncControl, _unwrap_compiled, set_backward_sync_control
 from fabric_utils.sharding import block_classes, full_shape
-
-FILES = re.compile(r".*_(model|optim)_states\.pt$")  # its model and ZeRO files: their pickles hold its classes
-
 
 def configure(fabric, name: str, grad_clip: float) -> None:
     """Refuses a CPU; puts the clip value in DeepSpeed's config (it clips in its step), and gives Fabric a
@@ -127,17 +123,6 @@ def full_state_dict(state_path: Path) -> dict:
     module = torch.load(module_file, map_location="cpu", weights_only=True, mmap=True)["module"]
     weights.update({name: module[name] for name in module.keys() - weights.keys()})
     return weights
-
-
-def checkpoint_classes(path: Path) -> list:
-    """What DeepSpeed's model and ZeRO files hold beside tensors (none in other files)."""
-    if not FILES.match(path.name):
-        return []
-    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address
-
-    return [ZeroStageEnum, fragment_address, LossScaler, DynamicLossScaler]
 
 
 def cpu_adam():

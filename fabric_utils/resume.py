@@ -49,7 +49,7 @@ def agreed_resume_checkpoint(fabric, resume: str | None, root: Path,
     found, refused = None, None
     if fabric.is_global_zero:
         found = find_resume_checkpoint(resume, root, report)
-        refused = refusal(fabric, found) if found else None
+        refused = refusal(found) if found else None
     chosen, refused = fabric.broadcast((None if found is None else str(found), refused))
     if refused:
         raise UserError(refused)

@@ -1,10 +1,9 @@
-"""Checkpoint files checked without running code: torch distributed checkpoint and an engine's own files load with a
-plain unpickler, so every pickle is first unpickled here under an allow-list of the classes its format needs."""
+"""Checkpoint files checked without running code: torch distributed checkpoint and DeepSpeed load with a plain
+unpickler, so every pickle is first unpickled here under an allow-list of the classes its format needs."""
 
 import io
 import pickle
 import re
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -13,6 +12,7 @@ from fabric_utils.errors import UserError, first_line
 
 # not read as pickles (the RNG files: each rank checks its own, to name itself)
 UNCHECKED = re.compile(r"(.*\.json|latest|zero_to_(fp32|torch)\.py|rng-rank\d+\.pt)$")
+DEEPSPEED_FILES = re.compile(r".*_(model|optim)_states\.pt$")
 DCP_METADATA, DCP_DATA = ".metadata", ".distcp"
 
 
@@ -24,6 +24,17 @@ def _dcp_classes() -> list:
             metadata.TensorStorageMetadata, metadata.BytesStorageMetadata, metadata.ChunkStorageMetadata,
             metadata._MEM_FORMAT_ENCODING, filesystem._StorageInfo, torch.Size, torch.serialization._get_layout,
             Path, type(Path())]
+
+
+def _deepspeed_classes() -> list:
+    """What DeepSpeed's model and ZeRO files hold beside tensors."""
+    try:
+        from deepspeed.runtime.fp16.loss_scaler import LossScaler, DynamicLossScaler
+        from deepspeed.runtime.zero.config import ZeroStageEnum
+        from deepspeed.utils.tensor_fragment import fragment_address
+    except ImportError:  # then no DeepSpeed checkpoint can be resumed anyway
+        return []
+    return [ZeroStageEnum, fragment_address, LossScaler, DynamicLossScaler]
 
 
 class _Restricted(pickle.Unpickler):
@@ -86,13 +97,12 @@ def check_dcp_metadata(path: Path):
         load_torch_file(data_file, value)
 
 
-def check_folder(folder: Path, classes_of: Callable[[Path], list]) -> None:
-    """Refuses (one line naming the file and the class) a checkpoint folder with a pickle outside the allow-list,
-    ``classes_of(path)``: the classes an engine's own file may hold beside torch's."""
+def check_folder(folder: Path) -> None:
+    """Refuses (one line naming the file and the class) a checkpoint folder with a pickle outside the allow-list."""
     for path in sorted(p for p in folder.rglob("*") if p.is_file()):
         if UNCHECKED.match(path.name) or path.suffix == DCP_DATA:  # checked through .metadata
             continue
         if path.name == DCP_METADATA:
             check_dcp_metadata(path)
         else:
-            load_torch_file(path, classes=classes_of(path))
+            load_torch_file(path, classes=_deepspeed_classes() if DEEPSPEED_FILES.match(path.name) else ())

@@ -41,5 +41,5 @@ def test_a_rank_that_cannot_see_rank_0s_pick_stops_with_one_line(tmp_path):
 def test_rank_0_picks_the_newest_complete_checkpoint(tmp_path):
     write_checkpoint(tmp_path, 10)
     newest = write_checkpoint(tmp_path, 20)
-    rank_0 = SimpleNamespace(is_global_zero=True, global_rank=0, broadcast=lambda obj: obj, strategy=None)
+    rank_0 = SimpleNamespace(is_global_zero=True, global_rank=0, broadcast=lambda obj: obj)
     assert agreed_resume_checkpoint(rank_0, "auto", tmp_path) == newest
