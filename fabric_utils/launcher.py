@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from lightning.fabric import Fabric
 from lightning.fabric.accelerators import ACCELERATOR_REGISTRY
+from lightning.fabric.plugins.environments import ClusterEnvironment, LightningEnvironment
 from lightning.fabric.plugins.precision import DeepSpeedPrecision, Precision
 from lightning.fabric.strategies import STRATEGY_REGISTRY, DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
 from lightning.fabric.strategies import deepspeed as fabric_deepspeed
@@ -21,7 +22,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from fabric_utils.args import FP8, FSDP2, LAUNCH_DEFAULTS, fabric_run_settings, launched_by_cli
 from fabric_utils.errors import PeerLost, UserError, first_line, lost_a_peer
 from fabric_utils.speed import check_fp8_supported
-from fabric_utils.private import _BackwardSyncControl, set_backward_sync_control
+from fabric_utils.private import _BackwardSyncControl, cluster_environment, set_backward_sync_control
 from fabric_utils.sharding import BlockPolicy, materialize_unit, mixed_precision_policy, shard_blocks
 from fabric_utils.strategy import uses_deepspeed
 
@@ -122,6 +123,7 @@ def build_fabric(accelerator=None, devices=None, num_nodes=None, strategy=None, 
             fabric = Fabric(**{**settings, "strategy": strategy}, **fabric_kwargs)
     except (ValueError, RuntimeError, TypeError, MisconfigurationException) as err:
         raise UserError(f"cannot launch with {settings}: {first_line(err)}") from err
+    check_world_size(cluster_environment(fabric), settings)
     check_precision_supported(settings["precision"], fabric.strategy.precision.precision, fabric.device)
     if precision == FP8:
         check_fp8_supported(fabric.device, settings["strategy"])
@@ -166,6 +168,29 @@ def count_processes(settings: dict) -> int:
     devices_of = type(ACCELERATOR_REGISTRY.get(accelerator))
     devices = devices_of.auto_device_count() if settings["devices"] == "auto" else settings["devices"]
     return settings["num_nodes"] * len(devices_of.get_parallel_devices(devices_of.parse_devices(devices)))
+
+
+def check_world_size(environment: ClusterEnvironment, settings: dict) -> None:
+    """Flags that count other processes than a launcher started (torchrun, SLURM, Kubeflow, Ray) give processes wrong
+    ranks, and the run wrong metrics without a word."""
+    counted, lightning = count_processes(settings), type(environment) is LightningEnvironment
+    if lightning and "WORLD_SIZE" in os.environ:  # it counts the flags' processes: a launcher's are in the variable
+        started = int(os.environ["WORLD_SIZE"])
+    elif not lightning and environment.creates_processes_externally:
+        started = environment.world_size()
+    else:
+        return
+    if started != counted:
+        raise UserError(f"{type(environment).__name__} started {started} processes, but --devices {settings['devices']}"
+                        f" x --num-nodes {settings['num_nodes']} count {counted}; pass --devices (processes per node) "
+                        f"and --num-nodes that multiply to {started}")
+    node, local, per_node = environment.node_rank(), environment.local_rank(), counted // settings["num_nodes"]
+    if lightning and "RANK" in os.environ and int(os.environ["RANK"]) != node * per_node + local:
+        raise UserError(f"the launcher made this process rank {os.environ['RANK']} (RANK), but --devices "
+                        f"{settings['devices']} x --num-nodes {settings['num_nodes']} make it rank "
+                        f"{node * per_node + local} (node {node} x {per_node} + local rank {local}); launch through "
+                        f"torchrun, or give Fabric the launcher's cluster environment (docs/launching.md)",
+                        rank=int(os.environ["RANK"]))
 
 
 def check_precision_supported(precision: str, built: str, device: torch.device) -> None:
