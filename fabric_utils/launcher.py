@@ -1,6 +1,7 @@
 """The ``lightning.Fabric`` of the launch flags, or of ``fabric run``'s settings, and its processes."""
 
 import contextlib
+import importlib
 import os
 import signal
 import subprocess
@@ -108,11 +109,31 @@ def cpu_has_fast_bf16(cpuinfo: str | None = None) -> bool:
     return "amx_bf16" in flags or {"AuthenticAMD", "avx512_bf16"} <= flags
 
 
+# launchers whose processes Fabric cannot tell apart from its own, named by the launcher or the job's manifest
+CLUSTER_ENVIRONMENT = "FABRIC_TEMPLATE_CLUSTER"
+CLUSTER_ENVIRONMENTS = {"kubeflow": ("lightning.fabric.plugins.environments", "KubeflowEnvironment"),  # a PyTorchJob
+                        "ray": ("ray.train.lightning", "RayLightningEnvironment")}  # set by scripts/ray_train.py
+
+
+def named_cluster_environment() -> list:
+    """The environment named in ``CLUSTER_ENVIRONMENT`` (none: Fabric detects it), imported only when named."""
+    name = os.environ.get(CLUSTER_ENVIRONMENT)
+    if not name:
+        return []
+    if name not in CLUSTER_ENVIRONMENTS:
+        known = " or ".join(CLUSTER_ENVIRONMENTS)
+        raise UserError(f"{CLUSTER_ENVIRONMENT}={name} is not a launcher this knows: set {known}, or unset it")
+    module, cls = CLUSTER_ENVIRONMENTS[name]
+    return [getattr(importlib.import_module(module), cls)()]
+
+
 def build_fabric(accelerator=None, devices=None, num_nodes=None, strategy=None, precision=None, grad_clip=0.0,
                  grad_checkpointing=False, **fabric_kwargs) -> Fabric:
     """The Fabric of the launch flags (None: not given); a setting Fabric rejects is a one-line ``UserError``."""
     settings = resolve_launch_settings(dict(accelerator=accelerator, devices=devices, num_nodes=num_nodes,
                                             strategy=strategy, precision=precision))
+    if named := named_cluster_environment():
+        fabric_kwargs["plugins"] = [*(fabric_kwargs.get("plugins") or []), *named]
     try:
         strategy = build_strategy(settings, grad_checkpointing)
         if not isinstance(strategy, str):  # Fabric would take `fabric run`'s LT_STRATEGY (in settings) over it

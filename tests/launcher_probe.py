@@ -1,12 +1,10 @@
-"""Test-only script: ``python tests/launcher_probe.py [--kubeflow] [train.py flags]`` builds and launches train.py's
-Fabric as train.py does (``--kubeflow``: with Lightning's ``KubeflowEnvironment``, as a PyTorchJob without torchrun
-needs) and prints one JSON line with the ranks Fabric computed and the process group's."""
+"""Test-only script: ``python tests/launcher_probe.py [train.py flags]`` builds and launches Fabric as train.py does
+and prints one JSON line with the ranks Fabric computed and the process group's."""
 
 import json
 import sys
 
 import torch.distributed as dist
-from lightning.fabric.plugins.environments import KubeflowEnvironment
 
 from fabric_utils import build_fabric, exit_on_user_error, launch
 from fabric_utils.launcher import end_job
@@ -15,11 +13,9 @@ from train import parse_args
 
 @exit_on_user_error
 def main(argv: list) -> None:
-    kubeflow = argv[:1] == ["--kubeflow"]
-    flags = parse_args(argv[kubeflow:])
+    flags = parse_args(argv)
     fabric = build_fabric(accelerator=flags.accelerator, devices=flags.devices, num_nodes=flags.num_nodes,
-                          strategy=flags.strategy, precision=flags.precision,
-                          plugins=[KubeflowEnvironment()] if kubeflow else None)
+                          strategy=flags.strategy, precision=flags.precision)
     launch(fabric)
     print(json.dumps({"environment": type(fabric.strategy.cluster_environment).__name__,
                       "global_rank": fabric.global_rank, "world_size": fabric.world_size,

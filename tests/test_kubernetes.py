@@ -48,12 +48,13 @@ def test_a_trainjob_runs_torchrun_in_each_pod_and_fabric_takes_its_ranks():
 
 
 def test_a_pytorchjob_without_torchrun_needs_kubeflows_environment_which_gives_the_pods_ranks():
-    """One process per pod, told its rank by RANK: with ``KubeflowEnvironment`` passed to Fabric, the ranks are the
-    pods'; without it, Fabric would make both pods rank 0, which the world-size check stops on the pod that sees it."""
+    """One process per pod, told its rank by RANK: with ``FABRIC_TEMPLATE_CLUSTER=kubeflow`` in the manifest, Fabric
+    takes Lightning's ``KubeflowEnvironment`` and the pods' ranks; without it, Fabric would make both pods rank 0,
+    which the world-size check stops on the pod that sees it."""
     port = str(free_port())
     envs = [{"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": "2", "RANK": str(pod)} for pod in (0, 1)]
-    probe = [sys.executable, PROBE, "--kubeflow", *CPU, "--devices", "1", "--num-nodes", "2"]
-    assert pods([probe, probe], envs) == [
+    probe = [sys.executable, PROBE, *CPU, "--devices", "1", "--num-nodes", "2"]
+    assert pods([probe, probe], [{**env, "FABRIC_TEMPLATE_CLUSTER": "kubeflow"} for env in envs]) == [
         {"environment": "KubeflowEnvironment", "global_rank": rank, "world_size": 2, "node_rank": rank,
          "local_rank": 0, "group": [rank, 2]} for rank in (0, 1)]
 
