@@ -17,7 +17,6 @@ import json
 import os
 import queue
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -94,12 +93,6 @@ def parse_param(text: str):
     return name, lambda trial: trial.suggest_float(name, low, high, log=len(parts) == 3)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Trials:
     """The trials' processes: each in a process group of its own, killed as a group (pruned, or the sweep stopped)."""
 
@@ -141,7 +134,7 @@ def validation_values(folder: Path, column: str) -> dict[int, float]:
 
     try:
         metrics = read_metrics(folder)
-    except Exception:  # a file being written: read again at the next poll
+    except (OSError, ValueError, KeyError):  # a file being written: read again at the next poll
         return {}
     if metrics is None or column not in metrics:
         return {}
@@ -155,6 +148,7 @@ class TrialFailed(Exception):
 
 def make_objective(args, study_dir: Path, trials: Trials, slots: queue.Queue):
     import optuna
+    from lightning.fabric.plugins.environments.lightning import find_free_network_port
     from optuna.storages import RetryFailedTrialCallback
 
     def objective(trial: optuna.Trial) -> float:
@@ -166,8 +160,8 @@ def make_objective(args, study_dir: Path, trials: Trials, slots: queue.Queue):
         flags = [word for name, value in values.items() for word in (f"--{name.replace('_', '-')}", str(value))]
         command = [*args.command, *flags, "--out-dir", str(folder), "--resume", "auto"]
         slot = slots.get()
-        env = {**os.environ, "MASTER_PORT": str(free_port())}  # trials at once: a port each (python, fabric run)
-        env["PET_MASTER_PORT"] = env["MASTER_PORT"]  # torchrun's
+        port = str(find_free_network_port())  # trials at once: a port each (python and fabric run's, torchrun's)
+        env = {**os.environ, "MASTER_PORT": port, "PET_MASTER_PORT": port}
         if slot is not None:
             env["CUDA_VISIBLE_DEVICES"] = slot
         log = study_dir / f"trial-{first:04d}.log"
@@ -175,17 +169,20 @@ def make_objective(args, study_dir: Path, trials: Trials, slots: queue.Queue):
             print(f"trial {trial.number}: {' '.join(flags)} in {folder}", flush=True)
             proc = trials.start(command, env, log)
             reported = set()
-            while proc.poll() is None:
-                time.sleep(POLL_S)
+            while True:
+                running = proc.poll() is None  # then one more read: the values written at the end
                 for step, value in sorted(validation_values(folder, f"val/{args.metric}").items()):
                     if step not in reported:
                         reported.add(step)
                         trial.report(value, step)
-                        if trial.should_prune():
+                        if running and trial.should_prune():
                             trials.kill(proc)
                             print(f"trial {trial.number}: pruned at step {step} (val {args.metric} {value:.4f})",
                                   flush=True)
                             raise optuna.TrialPruned()
+                if not running:
+                    break
+                time.sleep(POLL_S)
             trials.done(proc)
             if proc.returncode != 0:
                 raise TrialFailed(f"trial {trial.number} exited {proc.returncode}: see {log}")

@@ -11,9 +11,9 @@ import subprocess
 import sys
 
 import pytest
+from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
 from conftest import REPO, build_fabric_from_flags, run, subprocess_env
-from preemption_job import free_port
 
 PROBE = "tests/launcher_probe.py"
 CPU = ["--accelerator", "cpu", "--precision", "32-true"]
@@ -38,7 +38,7 @@ def pods(commands: list, envs: list) -> list[dict]:
 
 def test_a_trainjob_runs_torchrun_in_each_pod_and_fabric_takes_its_ranks():
     """Two pods of two processes each: torchrun with nothing but the pod's PET_ variables."""
-    port = str(free_port())
+    port = str(find_free_network_port())
     envs = [{"PET_NNODES": "2", "PET_NPROC_PER_NODE": "2", "PET_NODE_RANK": str(pod), "PET_MASTER_ADDR": "127.0.0.1",
              "PET_MASTER_PORT": port} for pod in (0, 1)]
     torchrun = [sys.executable, "-m", "torch.distributed.run", PROBE, *CPU, "--devices", "2", "--num-nodes", "2"]
@@ -51,7 +51,7 @@ def test_a_pytorchjob_without_torchrun_needs_kubeflows_environment_which_gives_t
     """One process per pod, told its rank by RANK: with ``FABRIC_TEMPLATE_CLUSTER=kubeflow`` in the manifest, Fabric
     takes Lightning's ``KubeflowEnvironment`` and the pods' ranks; without it, Fabric would make both pods rank 0,
     which the world-size check stops on the pod that sees it."""
-    port = str(free_port())
+    port = str(find_free_network_port())
     envs = [{"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": "2", "RANK": str(pod)} for pod in (0, 1)]
     probe = [sys.executable, PROBE, *CPU, "--devices", "1", "--num-nodes", "2"]
     assert pods([probe, probe], [{**env, "FABRIC_TEMPLATE_CLUSTER": "kubeflow"} for env in envs]) == [
@@ -112,3 +112,13 @@ def test_the_world_size_check_exits_2_with_one_line_and_writes_nothing(tmp_path)
         "error: TorchElasticEnvironment started 4 processes, but --devices 2 x --num-nodes 1 count 2; pass --devices "
         "(processes per node) and --num-nodes that multiply to 4"], done.stderr[-3000:]
     assert not out.exists()
+
+
+def test_a_launcher_not_known_by_name_is_one_line(monkeypatch):
+    from fabric_utils.errors import UserError
+
+    monkeypatch.setenv("FABRIC_TEMPLATE_CLUSTER", "k8s")
+    with pytest.raises(UserError) as error:
+        build_fabric_from_flags(*CPU)
+    assert str(error.value) == ("FABRIC_TEMPLATE_CLUSTER=k8s is not a launcher this knows: set kubeflow or ray, or "
+                                "unset it")
