@@ -49,8 +49,7 @@ def test_a_trainjob_runs_torchrun_in_each_pod_and_fabric_takes_its_ranks():
 
 def test_a_pytorchjob_without_torchrun_needs_kubeflows_environment_which_gives_the_pods_ranks():
     """One process per pod, told its rank by RANK: with ``FABRIC_TEMPLATE_CLUSTER=kubeflow`` in the manifest, Fabric
-    takes Lightning's ``KubeflowEnvironment`` and the pods' ranks; without it, Fabric would make both pods rank 0,
-    which the world-size check stops on the pod that sees it."""
+    takes Lightning's ``KubeflowEnvironment`` and the pods' ranks."""
     port = str(find_free_network_port())
     envs = [{"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": "2", "RANK": str(pod)} for pod in (0, 1)]
     probe = [sys.executable, PROBE, *CPU, "--devices", "1", "--num-nodes", "2"]
@@ -58,12 +57,19 @@ def test_a_pytorchjob_without_torchrun_needs_kubeflows_environment_which_gives_t
         {"environment": "KubeflowEnvironment", "global_rank": rank, "world_size": 2, "node_rank": rank,
          "local_rank": 0, "group": [rank, 2]} for rank in (0, 1)]
 
-    second = subprocess.run([sys.executable, PROBE, *CPU, "--devices", "1", "--num-nodes", "2"], cwd=REPO,
-                            env=probe_env(**envs[1]), capture_output=True, text=True, timeout=300)
-    assert second.returncode == 2 and second.stderr.splitlines() == [
-        "error (rank 1): the launcher made this process rank 1 (RANK), but --devices 1 x --num-nodes 2 make it rank 0 "
-        "(node 0 x 1 + local rank 0); launch through torchrun, or give Fabric the launcher's cluster environment "
-        "(docs/launching.md)"], second.stderr[-3000:]
+
+def test_a_pytorchjob_pod_without_kubeflows_environment_stops_with_one_line(monkeypatch):
+    """Fabric would make the second pod rank 0 too (its NODE_RANK is unset)."""
+    from fabric_utils.errors import UserError
+
+    for variable, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "WORLD_SIZE": "2", "RANK": "1"}.items():
+        monkeypatch.setenv(variable, value)
+    with pytest.raises(UserError) as error:
+        build_fabric_from_flags(*CPU, "--devices", "1", "--num-nodes", "2")
+    assert error.value.rank == 1 and str(error.value) == (
+        "the launcher made this process rank 1 (RANK), but --devices 1 x --num-nodes 2 make it rank 0 (node 0 x 1 + "
+        "local rank 0); launch through torchrun, or give Fabric the launcher's cluster environment "
+        "(docs/launching.md)")
 
 
 TORCHRUN_RANK_3_OF_4 = {"RANK": "3", "LOCAL_RANK": "1", "GROUP_RANK": "1", "LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": "4",
