@@ -49,6 +49,8 @@ def parse_args(argv=None):
     parser.add_argument("--gpus", help="GPU indices the trials share, e.g. 0,1,2,3 (each gets CUDA_VISIBLE_DEVICES)")
     parser.add_argument("--gpus-per-trial", type=int, default=1)
     parser.add_argument("--startup-trials", type=int, default=5, help="finished trials before pruning starts")
+    parser.add_argument("--prune-from-step", type=int, default=0,
+                        help="no pruning before this step: early validation losses barely differ")
     parser.add_argument("--seed", type=int, default=0, help="the sampler's, offset by the trials the study holds, so "
                                                              "a continued sweep draws new values")
     parser.add_argument("--heartbeat", type=int, default=10,
@@ -218,7 +220,8 @@ def main(argv=None) -> None:
                          heartbeat_interval=args.heartbeat, grace_period=2 * args.heartbeat,
                          heartbeat_stale_trial_callback=RetryFailedTrialCallback(max_retry=3))
     study = optuna.create_study(study_name="sweep", storage=storage, direction=args.direction, load_if_exists=True,
-                                pruner=optuna.pruners.MedianPruner(n_startup_trials=args.startup_trials))
+                                pruner=optuna.pruners.MedianPruner(n_startup_trials=args.startup_trials,
+                                                                   n_warmup_steps=args.prune_from_step))
     held = study.trials
     study.sampler = optuna.samplers.TPESampler(seed=args.seed + len(held))  # a continued sweep draws anew
     if any(trial.state == TrialState.RUNNING for trial in held):  # a killed sweep's (this one holds the lock)
