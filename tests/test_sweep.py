@@ -88,3 +88,31 @@ def test_a_sweep_of_two_process_trials_prunes_survives_kill_9_and_leaves_no_proc
     assert "best: trial" in log.read_text() and (study_dir / "trials.png").exists()
     rerun = finished[str(study_dir / "trial-0003")]
     assert rerun.value == pytest.approx(json.loads((study_dir / "trial-0003" / "results.json").read_text())["val_loss"])
+
+
+# a stand-in trial: writes the flags' --lr as its validation loss, where train.py writes it
+FAKE_TRIAL = """import argparse, json, pathlib
+parser = argparse.ArgumentParser()
+parser.add_argument("--lr", type=float)
+parser.add_argument("--out-dir")
+parser.add_argument("--resume")
+args = parser.parse_args()
+logs = pathlib.Path(args.out_dir, "logs", "version_0")
+logs.mkdir(parents=True)
+(logs / "metrics.csv").write_text(f"step,val/loss\\n1,{args.lr}\\n")
+pathlib.Path(args.out_dir, "results.json").write_text(json.dumps({"val_loss": args.lr}))
+"""
+
+
+def test_a_continued_sweep_draws_values_it_has_not_drawn(tmp_path):
+    """The sampler's seed is offset by the trials the study holds: with one seed alone, the continued sweep's first
+    draws would repeat the first sweep's."""
+    command = ["--param", "lr=1e-6:1:log", "--heartbeat", "1", "--", sys.executable, "-c", FAKE_TRIAL]
+    for trials in ("2", "4"):
+        done = subprocess.run([sys.executable, "scripts/sweep.py", "--study-dir", str(tmp_path), "--trials", trials,
+                               *command], cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+    trials = optuna.load_study(study_name="sweep", storage=f"sqlite:///{tmp_path / 'study.db'}").trials
+    assert [trial.state.name for trial in trials] == ["COMPLETE"] * 4
+    assert len({trial.params["lr"] for trial in trials}) == 4
+    assert [trial.value for trial in trials] == [trial.params["lr"] for trial in trials]
