@@ -103,8 +103,8 @@ class Trials:
 
     def start(self, command: list, env: dict, log: Path) -> subprocess.Popen:
         with open(log, "a") as output, self.lock:
-            proc = subprocess.Popen([sys.executable, "-c", DIE_WITH_SWEEP, str(os.getpid()), *command], cwd=REPO,
-                                    env=env, stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
+            proc = subprocess.Popen([sys.executable, "-c", DIE_WITH_SWEEP, str(os.getpid()), *command], env=env,
+                                    stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
             self.running.add(proc)
         return proc
 
@@ -113,7 +113,8 @@ class Trials:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-        while True:
+        deadline = time.monotonic() + 60  # a process stuck in the kernel (a dead network filesystem) outlives SIGKILL
+        while time.monotonic() < deadline:
             try:
                 os.killpg(proc.pid, 0)
             except ProcessLookupError:
@@ -151,12 +152,13 @@ class TrialFailed(Exception):
 def make_objective(args, study_dir: Path, trials: Trials, slots: queue.Queue):
     import optuna
     from lightning.fabric.plugins.environments.lightning import find_free_network_port
-    from optuna.storages import RetryFailedTrialCallback
+    from optuna.storages import RetryHeartbeatStaleTrialCallback
 
     def objective(trial: optuna.Trial) -> float:
         values = {name: draw(trial) for name, draw in args.space.items()}
         frozen = trial.study.get_trials(deepcopy=False)[trial.number]
-        first = (RetryFailedTrialCallback.retry_history(frozen) or [trial.number])[0]  # a rerun keeps its folder
+        retried = RetryHeartbeatStaleTrialCallback.retry_history(frozen)
+        first = (retried or [trial.number])[0]  # a rerun keeps its folder
         folder = study_dir / f"trial-{first:04d}"
         trial.set_user_attr("folder", str(folder))
         flags = [word for name, value in values.items() for word in (f"--{name.replace('_', '-')}", str(value))]
@@ -188,8 +190,11 @@ def make_objective(args, study_dir: Path, trials: Trials, slots: queue.Queue):
             trials.done(proc)
             if proc.returncode != 0:
                 raise TrialFailed(f"trial {trial.number} exited {proc.returncode}: see {log}")
-            results = json.loads((folder / "results.json").read_text())
-            return results[f"val_{args.metric}"]
+            results = folder / "results.json"
+            value = json.loads(results.read_text()).get(f"val_{args.metric}") if results.is_file() else None
+            if value is None:
+                raise TrialFailed(f"trial {trial.number} wrote no val_{args.metric} in {results}: see {log}")
+            return value
         finally:
             slots.put(slot)
 
@@ -203,11 +208,11 @@ def main(argv=None) -> None:
     import optuna
 
     warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)  # heartbeats and retries: stable enough
-    from optuna.storages import RDBStorage, RetryFailedTrialCallback
+    from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
     from optuna.study import MaxTrialsCallback
     from optuna.trial import TrialState
 
-    study_dir = Path(args.study_dir)
+    study_dir = Path(args.study_dir).resolve()  # the trials' --out-dir, wherever their launcher runs them
     study_dir.mkdir(parents=True, exist_ok=True)
     lock = filelock.FileLock(study_dir / ".lock")
     try:
@@ -215,10 +220,10 @@ def main(argv=None) -> None:
     except filelock.Timeout:
         raise UserError(f"another sweep is running in --study-dir {study_dir}; let it finish, or pass another "
                         f"--study-dir") from None
-    storage = RDBStorage(f"sqlite:///{(study_dir / 'study.db').resolve()}",
+    storage = RDBStorage(f"sqlite:///{study_dir / 'study.db'}",
                          engine_kwargs={"connect_args": {"timeout": 60}},  # trials at once write to one file
                          heartbeat_interval=args.heartbeat, grace_period=2 * args.heartbeat,
-                         heartbeat_stale_trial_callback=RetryFailedTrialCallback(max_retry=3))
+                         heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=3))
     study = optuna.create_study(study_name="sweep", storage=storage, direction=args.direction, load_if_exists=True,
                                 pruner=optuna.pruners.MedianPruner(n_startup_trials=args.startup_trials,
                                                                    n_warmup_steps=args.prune_from_step))
@@ -234,7 +239,13 @@ def main(argv=None) -> None:
     trials, slots = Trials(), queue.Queue()
     for slot in args.slots:
         slots.put(slot)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # through the finally below
+    def stop(signum, frame):  # as a kill -9 would: the trials stay running in the study, which a rerun continues
+        trials.kill_all()
+        print(f"{signal.Signals(signum).name}: stopped; the same command continues the sweep", flush=True)
+        os._exit(128 + signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, stop)
     try:
         if left > 0:
             study.optimize(make_objective(args, study_dir, trials, slots), n_trials=left, n_jobs=len(args.slots),
