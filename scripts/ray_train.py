@@ -52,8 +52,7 @@ def train_worker(config: dict) -> None:
 
     from fabric_utils.launcher import CLUSTER_ENVIRONMENT
 
-    os.chdir(config["repo"])  # train.py's relative paths (runs/, data/) as on the driver
-    sys.path.insert(0, config["repo"])
+    os.chdir(config["cwd"])  # the flags' relative paths, as on the driver
     os.environ[CLUSTER_ENVIRONMENT] = "ray"  # Fabric's ranks are Ray's
     context = ray.train.get_context()
     per_node = context.get_local_world_size()
@@ -74,11 +73,11 @@ def main(argv=None) -> None:
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    ray.init(address=args.address, runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
+    ray.init(address=args.address, runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})  # train.py, fabric_utils
     storage = Path(args.storage or f"{args.out_dir}-ray").resolve()
     trainer = TorchTrainer(
         train_worker,
-        train_loop_config={"flags": args.flags, "repo": str(REPO), "out_dir": str(args.out_dir)},
+        train_loop_config={"flags": args.flags, "cwd": os.getcwd(), "out_dir": str(args.out_dir)},
         scaling_config=ScalingConfig(num_workers=args.workers, use_gpu=args.gpus,
                                      resources_per_worker={"CPU": args.cpus_per_worker}),
         torch_config=TorchConfig(backend="nccl" if args.gpus else "gloo"),
