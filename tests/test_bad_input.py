@@ -352,6 +352,7 @@ def test_a_hub_model_not_on_this_machine_stops_at_once_naming_model_path(tmp_pat
     assert seconds < 10, f"{seconds:.1f} s"
     assert not (tmp_path / "run").exists()
 
+
 def test_predict_on_a_folder_that_holds_no_run_is_one_line(tmp_path):
     done = subprocess.run([sys.executable, "predict.py", str(tmp_path), str(tmp_path / "rows.csv")], cwd=ROOT,
                           env=subprocess_env(), capture_output=True, text=True, timeout=60)

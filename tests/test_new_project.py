@@ -1,5 +1,6 @@
-"""A new project made with `copier copy` holds the template alone, and `copier update` brings a later template change
-into it while keeping the copier's own edits (.ci/run runs the new project's own CI)."""
+"""A new project made with `copier copy` holds the template alone, and its README's update command brings a later
+template change into it, past a release tag, while keeping the copier's own edits, and fails naming each file where
+they conflict (.ci/run runs the new project's own CI)."""
 
 import contextlib
 import filecmp
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
-from test_readme import check_parses, code, commands
+from test_readme import check_parses, commands
 
 COPIER = Path(REPO / ".venv" / "bin" / "copier")
 # what only the lab needs: a new project never holds it
