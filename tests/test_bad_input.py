@@ -6,7 +6,6 @@ Importing train.py's dependencies takes longer than most of these runs need to f
 process that imported them once (tests/conftest.py); one case also runs in a fresh interpreter, which checks that a
 forked run reports what a real one does."""
 
-import hashlib
 import json
 import os
 import random
@@ -21,7 +20,7 @@ import pandas as pd
 import pytest
 import torch
 
-from conftest import REPO, fabric_cli, forkable, run, shimmed, subprocess_env
+from conftest import REPO, digest, fabric_cli, forkable, run, shimmed, subprocess_env
 from data.demo import make_review, prepare_demo
 from fabric_utils.checkpoint import write_manifest
 
@@ -47,12 +46,6 @@ def data_folder(path: Path, labels=("negative", "positive")) -> Path:
     for i, (split, rows) in enumerate((("train", 40), ("validation", 8), ("test", 8))):
         write_reviews(path / f"{split}.csv", rows, seed=i, labels=labels)
     return path
-
-
-def digest(path: Path) -> dict:
-    """Every file under ``path`` with its content hash."""
-    return {str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(path.rglob("*")) if p.is_file()}
 
 
 def write_other_model(folder: Path) -> None:
