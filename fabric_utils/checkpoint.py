@@ -349,8 +349,11 @@ def _check_restored(path: Path, before: dict, restored: dict) -> None:
 def _same_value(a, b) -> bool:
     """Equal, or two spellings of one local path."""
     if isinstance(a, str) and isinstance(b, str) and a != b:
-        pa, pb = Path(a).expanduser(), Path(b).expanduser()
-        return pa.exists() and pb.exists() and pa.resolve() == pb.resolve()
+        try:
+            pa, pb = Path(a).expanduser(), Path(b).expanduser()
+            return pa.exists() and pb.exists() and pa.resolve() == pb.resolve()
+        except (OSError, ValueError, RuntimeError):  # not a path: a NUL, an unknown ~user, a symlink loop
+            return False
     return a == b
 
 
@@ -360,7 +363,7 @@ def _check_fingerprint(path: Path, found, expected: dict) -> None:
                         f"another --resume")
     differ = sorted(k for k in {*found, *expected} if not _same_value(found.get(k), expected.get(k)))
     if differ:
-        changes = ", ".join(f"{k} {found.get(k)} (now {expected.get(k)})" for k in differ)
+        changes = ", ".join(f"{k[:100]} {str(found.get(k))[:100]} (now {expected.get(k)})" for k in differ[:5])
         raise UserError(f"checkpoint {path} was written with {changes}; resume with the same flags, or start a new "
                         f"--out-dir")
 
