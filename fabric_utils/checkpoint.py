@@ -150,8 +150,10 @@ def damage(path: Path, contents: bool = True) -> str | None:
     too), or None."""
     try:
         written = read_manifest(path)
-    except (OSError, ValueError) as err:
-        return f"its {MANIFEST} is missing or cannot be read ({first_line(err)[:200]})"
+    except OSError:
+        return f"its {MANIFEST} is missing or cannot be read"
+    except ValueError as err:
+        return f"its {MANIFEST} is not as written: {first_line(err)[:200]}"
     folder = path.resolve()
     found = {str(p.relative_to(path)) for p in path.rglob("*") if p.is_file()} - {MANIFEST}
     for name, (size, digest) in written.items():
@@ -306,7 +308,7 @@ def load_checkpoint(fabric, path: Path, state: dict, expected_fingerprint: dict 
     """Restores ``state`` in place, and this rank's RNG streams; refuses first another fingerprint or world size."""
     record = read_record(path)
     if expected_fingerprint is not None:  # as the record holds it: lists, not tuples
-        _check_fingerprint(path, record[FINGERPRINT], json.loads(json.dumps(expected_fingerprint)))
+        _check_fingerprint(path, record.get(FINGERPRINT), json.loads(json.dumps(expected_fingerprint)))
     written_by = record["world_size"]
     reshards = (path / "state").is_file() or strategy.reshards_checkpoints(fabric)
     if written_by != fabric.world_size and not reshards:
@@ -374,7 +376,7 @@ def keep_rows_per_step(fabric, batch_size: int, grad_accum: int, checkpoint: Pat
     if checkpoint is None:
         return grad_accum
     record = read_record(checkpoint)
-    written_by, rows = record["world_size"], (record[FINGERPRINT] or {}).get(ROWS_PER_STEP)
+    written_by, rows = record["world_size"], (record.get(FINGERPRINT) or {}).get(ROWS_PER_STEP)
     if written_by == fabric.world_size:
         return grad_accum
     if rows is None:

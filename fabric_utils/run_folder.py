@@ -18,13 +18,13 @@ import yaml
 from filelock import FileLock, Timeout
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 
+from fabric_utils.args import RUN_MARKER
 from fabric_utils.errors import UserError
 from fabric_utils.loggers import save_tracker_ids
 from fabric_utils.progress import say
 
 RUN_DIR_ENV = "FABRIC_TEMPLATE_RUN_DIR"
 LOCK_FILE = ".lock"
-RUN_MARKER = ".fabric-template-run"  # what makes a folder a run's: a user may keep a config.yaml or logs/ too
 KEPT = ("results.json", "checkpoints")  # what makes a failed run's folder worth keeping
 
 
@@ -101,7 +101,7 @@ def proposed_run_folder(out_dir: str | None, resume: str | None, temporary: bool
 
 
 @contextlib.contextmanager
-def locked_run_folder(fabric, proposed: Path, resume: str | None = None):
+def locked_run_folder(fabric, proposed: Path, resume: str | None):
     """Rank 0's proposed folder, locked by rank 0 for the run's life (the OS drops the lock with a killed process)
     and checked under the lock; a start that fails removes only what it wrote there, unless it checkpointed."""
     out_dir = Path(fabric.broadcast(str(proposed)))
