@@ -80,7 +80,8 @@ class Preemption:
     def training_ended(self) -> None:
         """From now on a signal cannot stop the run: it has nothing left to checkpoint."""
         self.training = False
-        signal.alarm(0)
+        if self.requested:
+            signal.alarm(0)
 
     def exit(self, fabric, loaders: dict, out_dir: Path, step: int, checkpoint: Path):
         """Rank 0 writes ``STATUS_FILE``, then every rank exits ``EXIT_PREEMPTED``; a child of Lightning's launcher
