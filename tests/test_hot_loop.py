@@ -93,16 +93,20 @@ def test_no_host_device_sync_between_log_steps(tmp_path, monkeypatch):
 
 
 class HostReads(TorchFunctionMode):
-    """Every value read back to the host, wherever it is made."""
+    """Every value read back to the host, wherever it is made, and the inputs of each SDPA call."""
 
     def __init__(self):
         super().__init__()
-        self.found = []
+        self.found, self.attention = [], []  # and what each SDPA call was given
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func in HOST_READS:
             self.found.append(" <- ".join(f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno}"
                                           for f in reversed(traceback.extract_stack()[-6:-1])))
+        if func is torch.nn.functional.scaled_dot_product_attention:
+            given = {**dict(zip(("query", "key", "value", "attn_mask"), args)), **(kwargs or {})}
+            self.attention.append({"mask": given.get("attn_mask") is not None, "causal": given.get("is_causal"),
+                                   "kv_heads": given["key"].shape[1]})
         return func(*args, **(kwargs or {}))
 
 
@@ -138,6 +142,15 @@ def test_attention_masks_are_decided_on_the_host_at_equal_logits(family, demo_to
         with reads, torch.no_grad():
             logits = objective.forward(model, batch)
         assert not reads.found, reads.found
+        # what SDPA is given: no mask, the one input flash attention refuses, where the batch has no padding
+        # (ModernBERT's sliding-window layers keep their window's); decoders causal, their K/V heads not repeated
+        padded, layers = "attention_mask" in batch, config.num_hidden_layers
+        masked = [padded or (family == "modernbert" and layer % 2 == 1) for layer in range(layers)]
+        assert [call["mask"] for call in reads.attention] == masked, reads.attention
+        if family in ("gpt2", "llama", "qwen2"):
+            kv_heads = getattr(config, "num_key_value_heads", config.num_attention_heads)
+            assert all(call["causal"] and call["kv_heads"] == kv_heads for call in reads.attention if not padded), \
+                reads.attention
         with monkeypatch.context() as stock, torch.no_grad():
             stock.setattr(ALL_MASK_ATTENTION_FUNCTIONS, "_local_mapping", {})
             expected = model(**{k: v for k, v in theirs(rows).items() if k != "labels"}).logits
