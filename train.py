@@ -248,7 +248,8 @@ def fit(fabric, config, state: TrainState, loaders, preemption, ckpt_dir, max_st
         epoch_batches = state.batch_in_epoch + len(train_loader)  # the sampler skips what a resume has done
         for batch in train_loader:
             rows = len(batch["labels"])
-            monitor.count(rows, spec.lengths.in_batch(batch) if spec.lengths else None)
+            monitor.count(rows, spec.lengths and spec.lengths.in_batch(batch),
+                          computed=(config.batch_size, spec.lengths and spec.lengths.padded_to(batch)))
             batch = fabric.to_device(fill_rows(batch, config.batch_size))  # one shape; filling rows get no loss
             # the micro-batches one optimizer step averages: --grad-accum, fewer at the end of the epoch
             group_start = state.batch_in_epoch - state.batch_in_epoch % config.grad_accum

@@ -182,7 +182,7 @@ def test_logged_mfu_agrees_with_results(tmp_path):
                          "--log-every", "2", "--peak-tflops", "0.1"], tmp_path)
     mfu = list(logged(tmp_path, "device/mfu").values())
     assert len(mfu) >= 5, mfu
-    assert results["mfu"] > 0
+    assert results["mfu_padded"] > results["mfu"] > 0  # the demo's batches pad their rows to a bucket
     # the logged values are windows of 5 log steps, results.json the whole loop (validation included)
     assert 0.5 < sum(mfu) / len(mfu) / results["mfu"] < 2.5, (mfu, results["mfu"])
     assert mfu[-1] < 3 * mfu[0], mfu  # does not grow with the step count
