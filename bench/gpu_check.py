@@ -49,6 +49,7 @@ import json
 import math
 import os
 import platform
+import re
 import shutil
 import signal
 import subprocess
@@ -190,8 +191,7 @@ class Row:
     @property
     def key(self) -> str:
         """The row's run folder and log name, unique across sections."""
-        return f"{self.section.split(':')[0]}-{self.name}".replace(" ", "_").replace(",", "").replace(
-            "/", "").replace("'", "").replace(":", "")
+        return re.sub(r"[^A-Za-z0-9.+-]+", "_", f"{self.section}-{self.name}").strip("_")
 
 
 def environment() -> dict:
