@@ -70,6 +70,7 @@ DEMO = Path.home() / ".cache" / "fabric-template" / "demo"
 SHIMS = {"FABRIC_TEMPLATE_DEEPSPEED_CPU": "1", "FABRIC_TEMPLATE_FP16_CPU": "1", "FABRIC_TEMPLATE_FSDP_CPU": "1",
          "FABRIC_TEMPLATE_FP8_CPU": "1", "FABRIC_TEMPLATE_COMPILE_EAGER": "1"}
 MINILM = "one GPU: all-MiniLM-L6-v2, pretrained"
+TESTS = "tests/test_gpu.py"
 FIRST_STEPS = 20  # the losses compared with 32-true's
 ROW_TIMEOUT_S = 240  # a run that hangs (a collective waiting on a dead rank) is ended well inside a 10-minute call
 ACCURACY_TOLERANCE = 0.02  # a multi-GPU row reaches the one-GPU accuracy within this
@@ -344,8 +345,9 @@ def plan(args, sizes: Sizes, work: Path) -> list[Row]:
                              "--accelerator", "cuda", "--devices", str(gpus), "--strategy", strategy,
                              "--precision", "bf16-mixed", "--quiet"]
                 row.model = large
-                row.env = {"GPU_CHECK_MEMORY_FRACTION": f"{fraction:.4f}",
-                           "PYTHONPATH": os.pathsep.join([str(ROOT / "bench" / "gpu_cap"), str(ROOT)])}
+                row.env = {"GPU_CHECK_MEMORY_FRACTION": f"{fraction:.4f}",  # the payload's wheels stay on the path
+                           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "bench" / "gpu_cap"), str(ROOT),
+                                                                       os.environ.get("PYTHONPATH")]))}
                 row.notes.append(f"cap {cap / 2**30:.1f} GiB a GPU ({params / 1e6:.0f}M parameters)")
             rows.append(row)
 
@@ -391,6 +393,12 @@ def plan(args, sizes: Sizes, work: Path) -> list[Row]:
         if not args.dry_run and gpus < needs:
             row.skip(f"needs {needs} CUDA GPU{'s' * (needs > 1)}, {gpus} here")
         rows.append(row)
+    for group, (tests, seconds) in TEST_SHARE.items():
+        row = Row(TESTS, f"{group}'s share: -k \"{tests}\"", ["tests/test_gpu.py", "-n", "0", "-q", "-p",
+                  "no:cacheprovider", "-k", tests], script="pytest", group=group, expect_s=seconds)
+        if args.dry_run:
+            row.skip("dry run: tests/test_gpu.py runs on a CUDA GPU only")
+        rows.append(row)
     for row in rows:
         row.profiled = row.profiled or row.section in (PEERS, MINILM)
     if args.dry_run:
@@ -401,7 +409,7 @@ def plan(args, sizes: Sizes, work: Path) -> list[Row]:
                 row.notes.append("dry run: torch's CPU float8 product reads its scales back (the syncs)")
     if args.peak_tflops:  # a half-precision peak (fp8-mixed's MFU too): the 32-true rows keep Fabric's own or none
         for row in rows:
-            if {"bf16-mixed", "16-mixed", FP8} & set(row.flags):
+            if row.script != "pytest" and {"bf16-mixed", "16-mixed", FP8} & set(row.flags):
                 row.flags += ["--peak-tflops", str(args.peak_tflops)]
     return rows
 
@@ -448,7 +456,8 @@ def run_row(row: Row, out: Path, env: dict, window: dict | None = None, timeout_
     if row.model:
         folder, params = save_shape(*row.model)
         row.notes.append(f"{params / 1e6:.0f}M parameters")
-    command = [sys.executable, row.script, *row.flags, "--out-dir", str(run)]
+    command = ([sys.executable, "-m", "pytest", *row.flags] if row.script == "pytest" else
+               [sys.executable, row.script, *row.flags, "--out-dir", str(run)])
     if row.profiled:
         command[1:1] = ["bench/profile_steps.py", "--out", str(run / "profile.json"),
                         *(str(item) for pair in (window or GPU_WINDOW).items() for item in pair)]
@@ -471,6 +480,9 @@ def run_row(row: Row, out: Path, env: dict, window: dict | None = None, timeout_
         row.ok = row.status == row.expect
         return
     row.status, row.ok = "measured", row.expect == "finishes"
+    if row.script == "pytest":  # its summary: passed, skipped
+        row.notes.append(log.read_text().strip().splitlines()[-1].strip("= "))
+        return
     row.results = json.loads((run / "results.json").read_text())
     if row.profiled:
         row.profile = json.loads((run / "profile.json").read_text())
@@ -543,12 +555,10 @@ def print_plan(rows: list[Row]) -> None:
     """Each group's rows with their expected seconds on one H100-class GPU, start-up and test share included."""
     for group, about in GROUPS.items():
         members = [row for row in rows if row.group == group]
-        tests, test_s = TEST_SHARE[group]
-        total = START_S + test_s + sum(row.expect_s for row in members)
+        total = START_S + sum(row.expect_s for row in members)
         print(f"{group}: {about}\n  {total:.0f} s expected of one H100-class GPU"
               + (f" (one call: {CALL_S} s)" if group != "multi" else " (on 2+ GPUs)"))
         print(f"  {START_S:>4.0f} s  start-up: the payload unpacked, the first imports")
-        print(f"  {test_s:>4.0f} s  pytest tests/test_gpu.py -k \"{tests}\"")
         for row in members:
             print(f"  {row.expect_s:>4.0f} s  {row.section} / {row.name}")
 
@@ -580,6 +590,8 @@ def main(argv=None) -> int:
                    help="run this group's rows (repeatable; default: every row)")
     p.add_argument("--row", action="append", default=[], metavar="NAME",
                    help="run this row, by its name in the table (repeatable; with --group: both)")
+    p.add_argument("--with-tests", action="store_true", help="first run each chosen group's share of "
+                                                             "tests/test_gpu.py (pytest -k), as the plan sizes it")
     p.add_argument("--dry-run", action="store_true", help="CPU stand-ins, tiny sizes: checks the command itself")
     p.add_argument("--dataset", type=Path, help="a local dataset folder for the MiniLM rows, e.g. IMDB "
                                                 "(default: the offline demo's synthetic reviews)")
@@ -610,8 +622,9 @@ def main(argv=None) -> int:
     known = {row.name for row in rows}
     if unknown := [name for name in args.row if name not in known]:
         p.error(f"no row named {unknown[0]!r}: `--plan` lists them")
-    chosen = [row for row in rows if (not args.group and not args.row) or row.group in (args.group or ())
-              or row.name in args.row]
+    chosen = [row for row in rows if ((not args.group and not args.row) or row.group in (args.group or ())
+                                      or row.name in args.row) and (args.with_tests or row.section != TESTS)]
+    chosen.sort(key=lambda row: row.section != TESTS)  # the tests first: a call cut short keeps them
     args.out.mkdir(parents=True, exist_ok=True)
     restore(rows, args.out / "gpu_check.json", args.dry_run)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
