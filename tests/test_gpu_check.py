@@ -66,16 +66,16 @@ def test_the_plan_fits_each_one_gpu_group_into_one_call_and_every_row_parses(gpu
 
 
 def test_the_dry_run_writes_every_row_measured_or_skipped_with_a_reason(tmp_path, gpu_check, monkeypatch):
-    argv = ["--dry-run", "--out", str(tmp_path), "--peak-tflops", "1", "--group", "core",
-            *(flag for name in [*ROWS, gpu_check.RASCHKA, gpu_check.DECODER_LORA_ROW] for flag in ("--row", name))]
+    hf, raschka, fp8 = gpu_check.HF_PEER, gpu_check.RASCHKA, gpu_check.FP8_ROW
+    compiled = [gpu_check.DEFAULT_JOB, "BERT-large-shaped, bf16-mixed --compile", fp8]
+    argv = ["--dry-run", "--out", str(tmp_path), "--peak-tflops", "1",
+            *(flag for name in [*ROWS, hf, raschka, gpu_check.DECODER_LORA_ROW, *compiled] for flag in ("--row", name))]
     assert gpu_check.main(argv) == 0
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     rows = report["rows"]
     assert {row["status"] for row in rows} == {"measured"}
     measured = {row["name"]: row for row in rows}
-    hf, raschka, fp8 = gpu_check.HF_PEER, gpu_check.RASCHKA, gpu_check.FP8_ROW
-    compiled = [gpu_check.DEFAULT_JOB, "BERT-large-shaped, bf16-mixed --compile", fp8]
-    assert set(measured) == {*ROWS, hf, raschka, gpu_check.DECODER_LORA_ROW, "BERT-large-shaped, bf16-mixed", *compiled}
+    assert set(measured) == {*ROWS, hf, raschka, gpu_check.DECODER_LORA_ROW, *compiled}
     for row in measured.values():
         assert row["results"]["train_samples_per_s"] > 0 and 0 <= row["results"]["test_acc"] <= 1
     assert measured["ddp"]["results"]["world_size"] == 2
@@ -98,9 +98,9 @@ def test_the_dry_run_writes_every_row_measured_or_skipped_with_a_reason(tmp_path
         assert "--compile" in measured[name]["flags"] and results["recompiles_after_warm_up"] == 0, name
         assert results["mfu_padded"] >= results["mfu"] > 0, name
         assert measured[name]["profile"]["mfu_padded_steady"] > 0, name
-    # every row at length 512 pads every row to it: its padded MFU is the larger, eager as compiled
-    large = measured["BERT-large-shaped, bf16-mixed"]["results"]
-    assert large["mfu_padded"] > large["mfu"] > 0
+    # a row at length 512 pads every row to it: its padded MFU is the larger
+    padded = measured["DistilBERT-shaped, bf16-mixed, --batch-size auto"]["results"]
+    assert padded["mfu_padded"] > padded["mfu"] > 0
     # --peak-tflops is a half-precision peak: a CPU has none of its own, so only those rows get an MFU
     assert measured["bf16-mixed"]["results"]["mfu"] > 0 and measured["32-true"]["results"]["mfu"] is None
     assert measured["16-mixed"]["results"]["precision"] == "16-mixed"  # the CPU shim's real fp16, not bf16
