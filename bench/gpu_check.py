@@ -39,8 +39,8 @@ steps under torch.profiler: GPU-busy fraction, kernel launches and host syncs pe
 (results.json), from FLOPs counted on the host: over real tokens, and over the padded batch the GPU computes (filling
 rows included), for compiled rows as for eager ones; the steady MFU scales the padded one by the steady window's
 samples/s. ``--dry-run`` runs every row it can on CPU processes, the CUDA-only paths through the tests' CPU shims
-(tests/shims: DeepSpeed, fp16, fp8, FSDP1) and ``--compile`` with dynamo's eager backend (tests/test_shapes.py builds
-Inductor's kernels on CPU itself). Every row is the text task as shipped (its flags).
+(tests/shims: DeepSpeed, fp16, fp8, FSDP1) and ``--compile`` with the aot_eager backend, the graphs Inductor gets
+without its kernels (tests/test_shapes.py builds Inductor's kernels on CPU itself). Every row is the text task as shipped (its flags).
 """
 
 import argparse

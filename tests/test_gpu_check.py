@@ -96,6 +96,8 @@ def test_the_dry_run_writes_every_row_measured_or_skipped_with_a_reason(tmp_path
     for name in compiled:
         results = measured[name]["results"]
         assert "--compile" in measured[name]["flags"] and results["recompiles_after_warm_up"] == 0, name
+        # the graphs Inductor would get read nothing back (fp8's CPU stand-in reads its scales: its note)
+        assert name == fp8 or measured[name]["profile"]["host_syncs_per_step"] == 0, (name, measured[name]["profile"])
         assert results["mfu_padded"] >= results["mfu"] > 0, name
         assert measured[name]["profile"]["mfu_padded_steady"] > 0, name
     # a row at length 512 pads every row to it: its padded MFU is the larger
@@ -110,7 +112,8 @@ def test_the_dry_run_writes_every_row_measured_or_skipped_with_a_reason(tmp_path
     assert measured["DistilBERT-shaped, bf16-mixed, --batch-size auto"]["results"]["config"]["batch_size"] > 8
     # fp8-mixed through the CPU shim, compiled: torchao's layers in the blocks, the rest bf16-mixed
     assert measured[fp8]["results"]["config"]["precision"] == measured[fp8]["results"]["precision"] == "fp8-mixed"
-    assert measured[fp8]["losses_against"] == "BERT-large-shaped, bf16-mixed --compile" and measured[fp8]["first_losses"]
+    assert measured[fp8]["losses_against"] == "BERT-large-shaped, bf16-mixed --compile"
+    assert measured[fp8]["first_losses"]
     assert any("losses within" in note for note in measured[fp8]["notes"])
     assert "12 of 14 Linear layers compute in float8" in next((tmp_path / "runs").glob("*fp8*.log")).read_text()
     decoder = measured[gpu_check.DECODER_LORA_ROW]["results"]  # a decoder as a classifier, its adapters only trained

@@ -12,8 +12,8 @@ FABRIC_TEMPLATE_FP8_CPU=1 lets ``--precision fp8-mixed`` run on CPU: torch compu
 (slowly), so torchao's layers train through the whole loop where only an H100-class GPU is otherwise accepted.
 
 FABRIC_TEMPLATE_COMPILE_EAGER=1 makes every ``torch.compile`` (train.py's --compile, the Trainer's torch_compile) use
-dynamo's eager backend: the same graphs, guards and recompiles, without Inductor's minutes of building kernels on a CPU
-(bench/gpu_check.py's dry run; tests/test_shapes.py compiles with Inductor itself).
+the aot_eager backend: the graphs, guards, recompiles and forward/backward split Inductor gets, run without its minutes
+of building kernels on a CPU (bench/gpu_check.py's dry run; tests/test_shapes.py compiles with Inductor itself).
 
 FABRIC_TEMPLATE_FSDP_CPU=1 lets Fabric's FSDP strategy (``--strategy fsdp``, torch's FSDP1) run on CPU processes.
 Fabric refuses it unless the accelerator is CUDA, and hands FSDP the device's index, which a CPU device lacks; FSDP1
@@ -155,7 +155,7 @@ if os.environ.get("FABRIC_TEMPLATE_COMPILE_EAGER") == "1":
         compile_ = torch.compile
 
         def compile_eagerly(model=None, **kwargs):
-            return compile_(model, **{**kwargs, "backend": "eager", "mode": None, "options": None})
+            return compile_(model, **{**kwargs, "backend": "aot_eager", "mode": None, "options": None})
 
         torch.compile = compile_eagerly
 
