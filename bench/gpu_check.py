@@ -5,7 +5,7 @@ exits 1. Rows come in groups, each sized for one call of a short GPU allocation 
 expected seconds); a rerun in the same ``--out`` skips the rows already measured there.
 
     python bench/gpu_check.py --plan                                 # each group's rows and expected seconds
-    python bench/gpu_check.py --group core --out gc --peak-tflops 989 --budget-s 420   # one call on an H200
+    python bench/gpu_check.py --group core --out gc --peak-tflops 989 --budget-s 440   # one call on an H200
     python bench/gpu_check.py --row "BERT-large-shaped, fp8-mixed --compile" --out gc  # rows by name
     python bench/gpu_check.py --dry-run --out /tmp/gc                # every row on CPU, tiny sizes: checks the command
 
@@ -394,7 +394,7 @@ def plan(args, sizes: Sizes, work: Path) -> list[Row]:
             row.skip(f"needs {needs} CUDA GPU{'s' * (needs > 1)}, {gpus} here")
         rows.append(row)
     for group, (tests, seconds) in TEST_SHARE.items():
-        row = Row(TESTS, f"{group}'s share: -k \"{tests}\"", ["tests/test_gpu.py", "-n", "0", "-q", "-p",
+        row = Row(TESTS, f"the {group} call's share: -k \"{tests}\"", ["tests/test_gpu.py", "-n", "0", "-q", "-p",
                   "no:cacheprovider", "-k", tests], script="pytest", group=group, expect_s=seconds)
         if args.dry_run:
             row.skip("dry run: tests/test_gpu.py runs on a CUDA GPU only")

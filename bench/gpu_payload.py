@@ -37,7 +37,7 @@ WEIGHTS = "model.safetensors"
 COMMAND = (  # one call of the device tool per group: its command, carrying .payload (carry: [".payload"])
     "python3 bench/gpu_payload.py unpack .payload /tmp/payload && export PYTHONPATH=/tmp/payload/site "
     "PYTHONUNBUFFERED=1 || exit; timeout 540 python3 bench/gpu_check.py --group {group} --with-tests --out /tmp/gc "
-    "--dataset .payload/imdb --minilm /tmp/payload/minilm --peak-tflops 989 --budget-s 420 2>&1 | tail -n 80; "
+    "--dataset .payload/imdb --minilm /tmp/payload/minilm --peak-tflops 989 --budget-s 440 2>&1 | tail -n 80; "
     "cp /tmp/gc/gpu_check.md /tmp/gc/gpu_check.json $OUT/; cd /tmp/gc && tar czf $OUT/logs.tgz runs/*.log")
 GROUPS = ("core", "families")
 

@@ -73,8 +73,11 @@ def test_the_dry_run_writes_every_row_measured_or_skipped_with_a_reason(tmp_path
     assert gpu_check.main(argv) == 0
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     rows = report["rows"]
-    assert {row["status"] for row in rows} == {"measured"}
-    measured = {row["name"]: row for row in rows}
+    # "ddp" names a row of each memory-capped section too: skipped in a dry run, with the reason
+    skipped = [row for row in rows if row["status"] != "measured"]
+    assert [(row["name"], row["status"]) for row in skipped] == [("ddp", "skipped")] * 2
+    assert all("the memory cap is CUDA's" in row["reason"] for row in skipped)
+    measured = {row["name"]: row for row in rows if row["status"] == "measured"}
     assert set(measured) == {*ROWS, hf, raschka, gpu_check.DECODER_LORA_ROW, *compiled}
     for row in measured.values():
         assert row["results"]["train_samples_per_s"] > 0 and 0 <= row["results"]["test_acc"] <= 1
@@ -127,6 +130,7 @@ def test_the_dry_run_writes_every_row_measured_or_skipped_with_a_reason(tmp_path
     assert "| n/a (cpu) |" in lines[[row["name"] for row in rows].index("bf16-mixed")]
     for row, line in zip(rows, lines):
         assert line.startswith(f"| {row['name']} | {row['status']} |")
+        assert row["status"] == "measured" or row["reason"] in line
 
     # a rerun into the same folder starts nothing it measured there; a row it has not run waits for the budget
     def refuse(*args, **kwargs):
@@ -134,7 +138,8 @@ def test_the_dry_run_writes_every_row_measured_or_skipped_with_a_reason(tmp_path
 
     monkeypatch.setattr(gpu_check, "start", refuse)
     assert gpu_check.main([*argv, "--row", "BERT-large-shaped, 32-true", "--budget-s", "1"]) == 0
-    again = {row["name"]: row for row in json.loads((tmp_path / "gpu_check.json").read_text())["rows"]}
+    again = {row["name"]: row for row in json.loads((tmp_path / "gpu_check.json").read_text())["rows"]
+             if row["status"] != "skipped"}
     assert {name: row["status"] for name, row in again.items() if name in measured} == dict.fromkeys(measured,
                                                                                                      "measured")
     assert again["DistilBERT-shaped, bf16-mixed, --batch-size auto"]["results"] == \
