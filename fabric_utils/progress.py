@@ -233,7 +233,8 @@ class Throughput:
         """``sizes``: each row's, on the host, where the task gives them; ``computed``: the (rows, row size) the
         device computes, filling rows and padding included (MFU over padded tokens; size None without sizes;
         None: the rows and sizes counted)."""
-        real = torch.tensor([rows, 0, 0] if sizes is None else [len(sizes), sizes.sum(), (sizes * sizes).sum()])
+        real = torch.tensor([rows, 0, 0]) if sizes is None else torch.stack(  # no value read: a tensor op
+            (torch.ones_like(sizes).sum(), sizes.sum(), (sizes * sizes).sum()))
         if computed is None:
             self.counts += torch.stack((real, real))
             return
