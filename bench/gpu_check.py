@@ -153,7 +153,7 @@ GPU_SIZES = Sizes(
 DRY_SIZES = Sizes(
     minilm=["--train-size", "64", "--val-size", "16", "--test-size", "16", "--max-length", "32", "--batch-size", "8",
             "--epochs", "1"],
-    shape=["--train-size", "32", "--val-size", "8", "--test-size", "8", "--max-length", "32", "--pad-to-max-length",
+    shape=["--train-size", "64", "--val-size", "8", "--test-size", "8", "--max-length", "32", "--pad-to-max-length",
            "--max-steps", "6", "--batch-size", "8"],
     auto=["--train-size", "32", "--val-size", "8", "--test-size", "8", "--max-length", "32", "--pad-to-max-length",
           "--max-steps", "1", "--batch-size", "auto"],
