@@ -305,6 +305,8 @@ def validate(fabric, model, loader, objective, step, show, quiet: bool) -> dict:
     """Evaluates on the validation split, logs the result and ``show``s it."""
     val = evaluate(fabric, model, loader, objective=objective, shown_as=None if quiet else "validation")
     fabric.log_dict({f"val/{name}": value for name, value in val.items() if name != "examples"}, step=step)
+    for logger in fabric.loggers:
+        logger.save()  # on disk now: a sweep prunes on it, a kill keeps it
     show(f"step {step}: " + ", ".join(f"val {k} {v:.4f}" for k, v in val.items() if k != "examples"))
     return val
 
