@@ -57,7 +57,8 @@ def setup(argv=None) -> dict:
                                          resume=bool(flags.resume)))                        # Fabric step 1
         launcher.launch(fabric)                                                              # Fabric step 2
         # nodes started apart in time agree on rank 0's folder
-        with run_folder.locked_run_folder(fabric, out_dir) as run_dir, launcher.explain_lost_peers(fabric):
+        with (run_folder.locked_run_folder(fabric, out_dir, flags.resume) as run_dir,
+              launcher.explain_lost_peers(fabric)):
             return main(fabric, flags, run_dir)
 
 
@@ -68,7 +69,7 @@ def main(fabric, flags, out_dir: Path) -> dict:
     if fabric.device.type == "cuda":  # TF32 matrix products and cuDNN autotuning: free speed on Ampere+ GPUs
         torch.set_float32_matmul_precision("high")
         torch.backends.cudnn.benchmark = True
-        torch.backends.cuda.enable_cudnn_sdp(False)  # cuDNN attention plans each new shape; grouped batches are new
+        torch.backends.cuda.enable_cudnn_sdp(False)  # cuDNN attention plans each new shape; flash and others don't
     env = run_folder.environment_report(fabric)
     if flags.verbose:
         say(json.dumps(env, indent=1))
@@ -243,10 +244,6 @@ def fit(fabric, config, state: TrainState, loaders, preemption, ckpt_dir, max_st
     returns whether it was preempted, and the training throughput."""
     model, optimizer, scheduler, train_loader = state.model, state.optimizer, state.scheduler, loaders["train"]
     objective = spec.objective
-    shown = progress.Progress(fabric, max_steps, config.quiet, metrics=objective.make_metrics(),
-                              steps_per_epoch=steps_per_epoch,
-                              rows_per_step=state.fingerprint[checkpoint.ROWS_PER_STEP], start_step=state.step,
-                              chance_loss=spec.chance_loss, losses=state.train_losses)
     monitor = progress.Throughput(fabric, config.peak_tflops, flops_of, sized=spec.lengths is not None)
     if config.compile:
         from fabric_utils import compiling
@@ -254,6 +251,11 @@ def fit(fabric, config, state: TrainState, loaders, preemption, ckpt_dir, max_st
                                                       train_loader))
         compiling.warm_up(fabric, model, optimizer,
                           [fabric.to_device(fill_rows(batch, config.batch_size)) for batch in kinds], loss_fn)
+    # after the warm-up: its rows/s and time left leave compiling out, as the throughput clock does
+    shown = progress.Progress(fabric, max_steps, config.quiet, metrics=objective.make_metrics(),
+                              steps_per_epoch=steps_per_epoch,
+                              rows_per_step=state.fingerprint[checkpoint.ROWS_PER_STEP], start_step=state.step,
+                              chance_loss=spec.chance_loss, losses=state.train_losses)
     clips = config.grad_clip and strategy.clips_in_loop(fabric)  # DeepSpeed clips inside optimizer.step()
     fabric.barrier()
     monitor.start(state.step)
@@ -263,7 +265,8 @@ def fit(fabric, config, state: TrainState, loaders, preemption, ckpt_dir, max_st
         epoch_batches = state.batch_in_epoch + len(train_loader)  # the sampler skips what a resume has done
         for batch in train_loader:
             rows = len(batch["labels"])
-            monitor.count(rows, spec.lengths.in_batch(batch) if spec.lengths else None)
+            monitor.count(rows, spec.lengths and spec.lengths.in_batch(batch),
+                          computed=(config.batch_size, spec.lengths and spec.lengths.padded_to(batch)))
             batch = fabric.to_device(fill_rows(batch, config.batch_size))  # one shape; filling rows get no loss
             # the micro-batches one optimizer step averages: --grad-accum, fewer at the end of the epoch
             group_start = state.batch_in_epoch - state.batch_in_epoch % config.grad_accum

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from fabric_utils import strategy
-from fabric_utils.errors import UserError
+from fabric_utils.errors import UserError, first_line
 from fabric_utils.safe_pickle import check_folder
 
 STEP_PATTERN = re.compile(r"^step-(\d+)$")
@@ -107,27 +107,67 @@ def _sha256(path: Path) -> str:
 
 
 def damage(path: Path, contents: bool = True) -> str | None:
-    """What is wrong with checkpoint folder ``path`` by its manifest (``contents``: hashes too), or None."""
+    """What is wrong with checkpoint folder ``path`` by its manifest (``contents``: hashes and the record's values
+    too), or None."""
     try:
-        files = json.loads((path / MANIFEST).read_text())
-        written = {name: (int(entry["bytes"]), str(entry["sha256"])) for name, entry in files.items()}
-    except (OSError, ValueError, TypeError, KeyError):
+        written = read_manifest(path)
+    except OSError:
         return f"its {MANIFEST} is missing or cannot be read"
+    except ValueError as err:
+        return f"its {MANIFEST} is not as written: {first_line(err)[:200]}"
     folder = path.resolve()
     found = {str(p.relative_to(path)) for p in path.rglob("*") if p.is_file()} - {MANIFEST}
     for name, (size, digest) in written.items():
         file = path / name
-        if not file.resolve().is_relative_to(folder):
-            return f"its {MANIFEST} names {name}, outside the checkpoint"
-        if not file.is_file():
-            return f"{name} is missing"
-        if (on_disk := file.stat().st_size) != size:
-            return f"{name} has {on_disk} bytes, not the {size} written"
-        if contents and _sha256(file) != digest:
-            return f"{name} is not the file written (its SHA-256 differs)"
+        try:
+            if not file.resolve().is_relative_to(folder):
+                return f"its {MANIFEST} names {name}, outside the checkpoint"
+            if not file.is_file():
+                return f"{name} is missing"
+            if (on_disk := file.stat().st_size) != size:
+                return f"{name} has {on_disk} bytes, not the {size} written"
+            if contents and _sha256(file) != digest:
+                return f"{name} is not the file written (its SHA-256 differs)"
+        except (OSError, RuntimeError) as err:  # the latter: a symlink loop
+            return f"its {MANIFEST} names {name}, which cannot be read ({first_line(err)[:100]})"
     if extra := sorted(found - written.keys()):
         return f"{extra[0]} was not written with it"
+    if contents:  # the record as written (by its hash), then its values
+        try:
+            read_record(path)
+        except UserError:
+            return f"its {RECORD} is not the one train.py writes"
     return None
+
+
+MAX_RECORD_BYTES = 16 << 20  # manifest.json and record.json: kilobytes as written
+
+
+def _read_json(file: Path):
+    if (size := file.stat().st_size) > MAX_RECORD_BYTES:
+        raise ValueError(f"it has {size} bytes")
+    try:
+        return json.loads(file.read_text())
+    except RecursionError as err:
+        raise ValueError("it nests too deep") from err
+
+
+def read_manifest(path: Path) -> dict[str, tuple[int, str]]:
+    """Checkpoint ``path``'s manifest, name -> (bytes, SHA-256); a ValueError saying what is not as written."""
+    files = _read_json(path / MANIFEST)
+    if not isinstance(files, dict):
+        raise ValueError(f"it holds a {type(files).__name__}, not a file per name")
+    written = {}
+    for name, entry in files.items():
+        size, digest = (entry.get("bytes"), entry.get("sha256")) if isinstance(entry, dict) else (None, None)
+        parts = Path(name).parts
+        if (not name or "\0" in name or Path(name).is_absolute() or ".." in parts
+                or any(len(part.encode()) > 255 for part in parts)):
+            raise ValueError(f"it names {name[:100]!r}, not a file inside the checkpoint")
+        if type(size) is not int or size < 0 or not isinstance(digest, str) or not re.fullmatch("[0-9a-f]{64}", digest):
+            raise ValueError(f"its entry for {name[:100]!r} is not a size in bytes and a SHA-256")
+        written[name] = size, digest
+    return written
 
 
 def step_checkpoints(root: Path, report: Callable[[str], None] | None = None) -> list[Path]:
@@ -161,6 +201,27 @@ def verify(fabric, folder: Path) -> None:
         refused = f"checkpoint {folder} is damaged: {problem}" if problem else refusal(folder)
     if refused := fabric.broadcast(refused):
         raise UserError(refused)
+
+
+def read_record(path: Path) -> dict:
+    """Checkpoint ``path``'s record, checked: a world size, and a fingerprint whose rows per step are a count."""
+    try:
+        record = _read_json(path / RECORD)
+    except (OSError, ValueError) as err:
+        raise UserError(f"cannot restore checkpoint {path}: its {RECORD} cannot be read ({type(err).__name__}); "
+                        f"pass another --resume or start a new --out-dir") from err
+    fingerprint = record.get(FINGERPRINT) if isinstance(record, dict) else None
+    rows = fingerprint.get(ROWS_PER_STEP, 1) if isinstance(fingerprint, dict) else 1
+    if (not isinstance(record, dict) or not _count(record.get("world_size")) or not _count(rows)
+            or not isinstance(fingerprint, (dict, type(None)))):
+        raise UserError(f"cannot restore checkpoint {path}: its {RECORD} does not hold a world size and rows per "
+                        f"optimizer step of 1 or more ({json.dumps(record)[:200]}); pass another --resume or start "
+                        f"a new --out-dir")
+    return record
+
+
+def _count(value) -> bool:
+    return type(value) is int and value >= 1
 
 
 def load_best(fabric, out_dir: Path, model) -> Path | None:

@@ -25,7 +25,7 @@ def export_model(fabric, best_state: Path, out: Path, model: torch.nn.Module, fi
     into a folder then renamed to ``out``."""
     if fabric.is_global_zero:
         tmp = out.with_name(f".tmp-{out.name}")
-        shutil.rmtree(tmp, ignore_errors=True)
+        _remove(tmp)
         tmp.mkdir(parents=True)
         engine = strategy.engine(fabric)
         weights = engine.full_state_dict(best_state) if engine else full_state_dict(best_state)
@@ -34,6 +34,14 @@ def export_model(fabric, best_state: Path, out: Path, model: torch.nn.Module, fi
         else:
             torch.save(weights, tmp / "model.pt")
             (tmp / "config.json").write_text(json.dumps(fingerprint, indent=2))
-        shutil.rmtree(out, ignore_errors=True)
+        _remove(out)
         tmp.rename(out)
     fabric.barrier()
+
+
+def _remove(path: Path) -> None:
+    """A folder, or a link or file in its place (not what a link points at)."""
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    else:
+        shutil.rmtree(path, ignore_errors=True)

@@ -12,7 +12,7 @@ import torch
 from torch.distributed.checkpoint import CheckpointException
 
 from fabric_utils import strategy
-from fabric_utils.checkpoint import (FINGERPRINT, RECORD, ROWS_PER_STEP, damage, refusal, step_checkpoints,
+from fabric_utils.checkpoint import (FINGERPRINT, ROWS_PER_STEP, damage, read_record, refusal, step_checkpoints,
                                      with_loss_scaler)
 from fabric_utils.errors import UserError, first_line
 from fabric_utils.progress import say
@@ -61,19 +61,11 @@ def agreed_resume_checkpoint(fabric, resume: str | None, root: Path,
     return Path(chosen)
 
 
-def read_record(path: Path) -> dict:
-    try:
-        return json.loads((path / RECORD).read_text())
-    except (OSError, ValueError) as err:
-        raise UserError(f"cannot restore checkpoint {path}: its {RECORD} cannot be read ({type(err).__name__}); "
-                        f"pass another --resume or start a new --out-dir") from err
-
-
 def load_checkpoint(fabric, path: Path, state: dict, expected_fingerprint: dict | None = None) -> None:
     """Restores ``state`` in place, and this rank's RNG streams; refuses first another fingerprint or world size."""
     record = read_record(path)
     if expected_fingerprint is not None:  # as the record holds it: lists, not tuples
-        _check_fingerprint(path, record[FINGERPRINT], json.loads(json.dumps(expected_fingerprint)))
+        _check_fingerprint(path, record.get(FINGERPRINT), json.loads(json.dumps(expected_fingerprint)))
     written_by = record["world_size"]
     reshards = (path / "state").is_file() or strategy.reshards_checkpoints(fabric)
     if written_by != fabric.world_size and not reshards:
@@ -92,6 +84,7 @@ def load_checkpoint(fabric, path: Path, state: dict, expected_fingerprint: dict 
         if target[key] is not obj:  # sharded loads hand the scheduler back as a state_dict
             obj.load_state_dict(target[key])
             target[key] = obj
+    _check_restored(path, state, target)
     state.update({key: target[key] for key in state})
     rng_file = path / f"rng-rank{fabric.global_rank}.pt"
     if rng_file.exists():  # a rank the writing run did not have keeps its seeded streams
@@ -102,11 +95,25 @@ def load_checkpoint(fabric, path: Path, state: dict, expected_fingerprint: dict 
         set_rng_state(rng)
 
 
+def _check_restored(path: Path, before: dict, restored: dict) -> None:
+    """Refuses plain values that came back as another type, and counts that came back negative."""
+    for key, old in before.items():
+        new = restored.get(key)
+        if type(old) in (int, float, str, list, dict) and (type(new) is not type(old)
+                                                          or type(old) is int and old >= 0 > new):
+            raise UserError(f"cannot restore checkpoint {path}: its {key} is {str(new)[:100]}, where this run has "
+                            f"{'a count' if type(old) is int else f'a {type(old).__name__}'}; pass another --resume "
+                            f"or start a new --out-dir")
+
+
 def _same_value(a, b) -> bool:
     """Equal, or two spellings of one local path."""
     if isinstance(a, str) and isinstance(b, str) and a != b:
-        pa, pb = Path(a).expanduser(), Path(b).expanduser()
-        return pa.exists() and pb.exists() and pa.resolve() == pb.resolve()
+        try:
+            pa, pb = Path(a).expanduser(), Path(b).expanduser()
+            return pa.exists() and pb.exists() and pa.resolve() == pb.resolve()
+        except (OSError, ValueError, RuntimeError):  # not a path: a NUL, an unknown ~user, a symlink loop
+            return False
     return a == b
 
 
@@ -116,7 +123,7 @@ def _check_fingerprint(path: Path, found, expected: dict) -> None:
                         f"another --resume")
     differ = sorted(k for k in {*found, *expected} if not _same_value(found.get(k), expected.get(k)))
     if differ:
-        changes = ", ".join(f"{k} {found.get(k)} (now {expected.get(k)})" for k in differ)
+        changes = ", ".join(f"{k[:100]} {str(found.get(k))[:100]} (now {expected.get(k)})" for k in differ[:5])
         raise UserError(f"checkpoint {path} was written with {changes}; resume with the same flags, or start a new "
                         f"--out-dir")
 
@@ -126,9 +133,12 @@ def keep_rows_per_step(fabric, batch_size: int, grad_accum: int, checkpoint: Pat
     if checkpoint is None:
         return grad_accum
     record = read_record(checkpoint)
-    written_by, rows = record["world_size"], record[FINGERPRINT][ROWS_PER_STEP]
+    written_by, rows = record["world_size"], (record.get(FINGERPRINT) or {}).get(ROWS_PER_STEP)
     if written_by == fabric.world_size:
         return grad_accum
+    if rows is None:
+        raise UserError(f"checkpoint {checkpoint} does not record its rows per optimizer step: resume it on "
+                        f"{written_by} devices")
     rows_per_batch = batch_size * fabric.world_size
     if rows % rows_per_batch:
         fix = (f"pass a --batch-size that divides {rows // fabric.world_size}" if rows % fabric.world_size == 0
