@@ -309,7 +309,7 @@ def test_the_export_replaces_a_link_in_place_of_model_and_leaves_its_target(runs
     (elsewhere / "mine.txt").write_text("mine\n")
     out.parent.mkdir()
     out.symlink_to(elsewhere)
-    fabric = SimpleNamespace(is_global_zero=True, barrier=lambda: None)
+    fabric = SimpleNamespace(is_global_zero=True, barrier=lambda: None, strategy=None)  # no engine
     export_model(fabric, runs / "single" / "checkpoints" / "best" / "state", out, model=None, fingerprint={})
     assert not out.is_symlink() and (out / "model.pt").is_file()
     assert [p.name for p in elsewhere.iterdir()] == ["mine.txt"]
