@@ -40,10 +40,10 @@ from fabric_utils import (
     ROWS_PER_STEP, Preemption, Progress, Throughput, agreed_resume_checkpoint, batch_kinds, best_rule, build_fabric,
     build_model, build_optimizer, cast_shards, compile_in_engine, compile_model, convert_to_float8, count_parameters,
     counted, cut_splits, default_num_workers, environment_report, explain_lost_peers, export_model, fill_rows,
-    finalize_loggers, first_rows, fitting_batch_size, full_shapes, header, keep_rows_per_step, launch,
+    finalize_loggers, first_rows, fitting_batch_size, full_shapes, header, holds_trained_only, keep_rows_per_step, launch,
     load_best, load_checkpoint, load_pretrained, locked_run_folder, make_dataloaders, make_loggers,
     peak_memory_per_rank, plot_metrics, prepare_for_setup, proposed_run_folder, remove_checkpoint, save_checkpoint,
-    save_config, say, set_threads, shows_bars, silence_libraries, strategy, training_flops_fn, warm_up,
+    save_config, say, set_threads, shows_bars, silence_libraries, strategy, training_flops_fn, wait_for_save, warm_up,
     warn_if_updates_vanish, write_predictions)
 
 
@@ -82,8 +82,9 @@ def main(fabric, flags, out_dir: Path) -> dict:
     def loss_fn(model, batch: dict) -> torch.Tensor:  # a batch's training loss: to count FLOPs, probe, warm up
         return spec.objective.loss(spec.objective.forward(model, batch), batch)
 
-    model, optimizer, torch_optimizer, flops_of, params = build(fabric, flags, spec, loss_fn,
-                                                                pretrained=not resume_from)
+    # a checkpoint of the trained part alone (LoRA's adapters) goes on the pretrained model it was trained on
+    model, optimizer, torch_optimizer, flops_of, params = build(
+        fabric, flags, spec, loss_fn, pretrained=not resume_from or holds_trained_only(resume_from))
     batch_size = fitting_batch_size(fabric, flags.batch_size, spec, model, optimizer, loss_fn)
     grad_accum = keep_rows_per_step(fabric, batch_size, flags.grad_accum, resume_from)  # same steps on new devices
     if flags.fast_dev_run:  # N batches of each split on every process
@@ -282,7 +283,7 @@ def fit(fabric, config, state: TrainState, loaders, preemption, ckpt_dir, max_st
                     if rule.improves(val, state.best_val):
                         state.best_val, stale = val, 0  # the best model so far is kept as checkpoints/best
                         best = {"model": model, "fingerprint": state.fingerprint, "step": step}
-                        save_checkpoint(fabric, ckpt_dir, "best", best)
+                        save_checkpoint(fabric, ckpt_dir, "best", best, background=config.async_save)
                     else:
                         stale += 1
             stop = preempted or bool(config.early_stop and stale >= config.early_stop)
@@ -290,11 +291,13 @@ def fit(fabric, config, state: TrainState, loaders, preemption, ckpt_dir, max_st
                 state.epoch, state.batch_in_epoch = state.epoch + 1, 0
             if (config.save_every and step % config.save_every == 0) or epoch_ends or stop:
                 with monitor.paused():
-                    save_checkpoint(fabric, ckpt_dir, f"step-{step:06d}", vars(state), config.keep_last)
+                    save_checkpoint(fabric, ckpt_dir, f"step-{step:06d}", vars(state), config.keep_last,
+                                    background=config.async_save)  # training goes on as it is written
                     for logger in fabric.loggers:
                         logger.save()  # the metrics up to this checkpoint survive a kill
             if stop or step >= max_steps:
                 break
+    wait_for_save(fabric)  # the last checkpoint on disk before a preempted run exits or the best is tested
     progress.close()
     return preempted, monitor.stop()
 

@@ -24,6 +24,7 @@ PUBLIC = {
               "warm_up", "peak_memory_per_rank"),  # workers, MFU's FLOPs, fp8, torch.compile and its warm-up, memory
     "checkpoint": ("agreed_resume_checkpoint", "keep_rows_per_step", "ROWS_PER_STEP",  # what a resume continues
                    "load_checkpoint", "save_checkpoint", "remove_checkpoint",  # atomic, verified before loading
+                   "wait_for_save", "holds_trained_only",  # saves in the background; without the frozen base
                    "best_rule", "load_best"),  # which validation result makes checkpoints/best, loaded
     "export": ("export_model",),  # the best model's full weights, written by the task
     "progress": ("say", "silence_libraries", "shows_bars", "header", "counted",  # what a run prints, rank 0 only

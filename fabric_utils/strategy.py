@@ -53,6 +53,11 @@ def offloads_optimizer(fabric) -> bool:
     return offload.get("device") in ("cpu", "nvme")
 
 
+def writes_one_file(fabric) -> bool:
+    """One process writes the checkpoint's state whole: one device, DDP (a copy of the model on each)."""
+    return isinstance(fabric.strategy, (SingleDeviceStrategy, DDPStrategy)) and not uses_deepspeed(fabric)
+
+
 def reshards_checkpoints(fabric) -> bool:
     """fsdp2's sharded checkpoints load on any number of processes; fsdp's and DeepSpeed's do not."""
     return uses_fsdp2(fabric)

@@ -62,10 +62,14 @@ def test_lora_trains_a_small_part_and_exports_a_plain_model_with_the_adapters_me
     model, info = AutoModelForSequenceClassification.from_pretrained(exported, output_loading_info=True)
     assert not any(info.values()), info  # every weight has its plain name: no lora_, base_layer, modules_to_save
 
-    # the trained model, as the best checkpoint (kept: --keep-best-checkpoint) holds it: the frozen model plus adapters
+    # the trained model: the best checkpoint (kept: --keep-best-checkpoint) holds the adapters and the head alone, to
+    # load on the pretrained model
     trained = task.build_model(str(task.DEMO_ROOT / "model"), ["negative", "positive"], "single_label",
                                attention_dropout=0.0, hidden_dropout=0.0, lora_r=8)
-    trained.load_state_dict(torch.load(out / "checkpoints" / "best" / "state", weights_only=True)["model"])
+    frozen = {name for name, p in trained.named_parameters() if not p.requires_grad}
+    missing, unexpected = trained.load_state_dict(
+        torch.load(out / "checkpoints" / "best" / "state", weights_only=True)["model"], strict=False)
+    assert not unexpected and set(missing) == frozen
     # adapters on every linear layer of a 64-wide model, and its head: an eighth of it
     assert results["trainable_params"] == sum(p.numel() for p in trained.parameters() if p.requires_grad)
     assert 0 < results["trainable_params"] < results["total_params"] / 6
