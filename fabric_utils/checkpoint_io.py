@@ -261,7 +261,8 @@ def folder_bytes(folder: Path) -> int:
 
 
 def megabytes(nbytes: float) -> str:
-    return f"{nbytes / 1e9:.1f} GB" if nbytes >= 1e9 else f"{nbytes / 1e6:.1f} MB"
+    return next(f"{nbytes / scale:.1f} {unit}" for scale, unit in ((1e9, "GB"), (1e6, "MB"), (1e3, "kB"), (1, "B"))
+                if nbytes >= scale or unit == "B")
 
 
 def model_bytes(model) -> int:
