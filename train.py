@@ -40,8 +40,8 @@ from fabric_utils import (
     ROWS_PER_STEP, Preemption, Progress, Throughput, agreed_resume_checkpoint, batch_kinds, best_rule, build_fabric,
     build_model, build_optimizer, cast_shards, compile_in_engine, compile_model, convert_to_float8, count_parameters,
     counted, cut_splits, default_num_workers, environment_report, explain_lost_peers, export_model, fill_rows,
-    finalize_loggers, first_rows, fitting_batch_size, full_shapes, header, holds_trained_only, keep_rows_per_step, launch,
-    load_best, load_checkpoint, load_pretrained, locked_run_folder, make_dataloaders, make_loggers,
+    finalize_loggers, first_rows, fitting_batch_size, full_shapes, header, holds_trained_only, keep_rows_per_step,
+    launch, load_best, load_checkpoint, load_pretrained, locked_run_folder, make_dataloaders, make_loggers,
     peak_memory_per_rank, plot_metrics, prepare_for_setup, proposed_run_folder, remove_checkpoint, save_checkpoint,
     save_config, say, set_threads, shows_bars, silence_libraries, strategy, training_flops_fn, wait_for_save, warm_up,
     warn_if_updates_vanish, write_predictions)

@@ -17,7 +17,7 @@ import torch
 from torch.distributed.checkpoint import CheckpointException
 
 from fabric_utils import strategy
-from fabric_utils.checkpoint_io import (check_space, folder_bytes, frozen_names, read_state, say_disk_plan, stage, start,
+from fabric_utils.checkpoint_io import (check_space, folder_bytes, read_state, say_disk_plan, stage, start,
                                         wait_for_save)
 from fabric_utils.errors import UserError, first_line
 from fabric_utils.progress import say
@@ -61,7 +61,6 @@ def save_checkpoint(fabric, root: Path, tag: str, state: dict, keep_last: int | 
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed mid-write
     fabric.barrier()
-    trained_only = bool(frozen_names(state["model"]))
     staged = stage(fabric, with_loss_scaler(fabric, state))
     previous = final if final.exists() else next(reversed(step_checkpoints(root)), None)
     nbytes = check_space(fabric, root, tag, staged.nbytes, previous if tag.startswith("step-") or final.exists()
@@ -74,7 +73,7 @@ def save_checkpoint(fabric, root: Path, tag: str, state: dict, keep_last: int | 
     except OSError as err:
         raise _disk_full(root, tmp, tag, err) from err
     fabric.barrier()  # every rank's files begun, its RNG streams written
-    record = {"world_size": fabric.world_size, FINGERPRINT: state.get(FINGERPRINT), TRAINED_ONLY: trained_only}
+    record = {"world_size": fabric.world_size, FINGERPRINT: state.get(FINGERPRINT), TRAINED_ONLY: staged.trained_only}
 
     def commit() -> None:  # rank 0, once the last file has landed
         try:
@@ -103,7 +102,7 @@ def save_checkpoint(fabric, root: Path, tag: str, state: dict, keep_last: int | 
         wait_for_save(fabric)
     if tag.startswith("step-") and not _SAID_DISK_PLAN and fabric.is_global_zero:
         _SAID_DISK_PLAN.append(tag)
-        say_disk_plan(root, tag, nbytes or folder_bytes(final), keep_last, state["model"], trained_only)
+        say_disk_plan(root, tag, nbytes or folder_bytes(final), keep_last, state["model"], staged.trained_only)
     return final
 
 

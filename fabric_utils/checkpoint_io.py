@@ -72,19 +72,21 @@ def _unwrap_optimizer(obj):
 
 
 class Staged:
-    """A state ready to write: ``nbytes`` on this rank (None: not known before writing) and ``write(path, background)``,
-    which starts the write and returns what completes it (to run in a thread: it makes no collective call)."""
+    """A state ready to write: ``nbytes`` on this rank (None: not known before writing), ``write(path, background)``,
+    which starts the write and returns what completes it (to run in a thread: it makes no collective call), and
+    whether it leaves out frozen parameters (``trained_only``)."""
 
-    def __init__(self, nbytes: int | None, write: Callable[[Path, bool], Callable[[], None]]):
-        self.nbytes, self.write = nbytes, write
+    def __init__(self, nbytes: int | None, write: Callable[[Path, bool], Callable[[], None]], trained_only: bool):
+        self.nbytes, self.write, self.trained_only = nbytes, write, trained_only
 
 
 def stage(fabric, state: dict) -> Staged:
     """``state`` as the strategy writes it, without frozen parameters: fsdp2 through torch distributed checkpoint
     (asynchronously, its own gloo group); one process's file (single device, DDP) from a host copy; anything else
     (DeepSpeed, fsdp) through ``fabric.save``, synchronously."""
+    frozen = bool(frozen_names(state["model"]))
     if strategy.uses_fsdp2(fabric):
-        return _stage_sharded(fabric, state)
+        return _stage_sharded(fabric, state, frozen)
     if strategy.writes_one_file(fabric):
         staged = {key: _cpu_copy(TrainedPart(obj).state_dict() if isinstance(obj, nn.Module)
                                  else obj.state_dict() if hasattr(obj, "state_dict") else obj)
@@ -92,20 +94,20 @@ def stage(fabric, state: dict) -> Staged:
 
         def write_file(path: Path, background: bool) -> Callable[[], None]:
             return (lambda: torch.save(staged, path)) if fabric.is_global_zero else (lambda: None)
-        return Staged(_nbytes(staged), write_file)
+        return Staged(_nbytes(staged), write_file, frozen)
 
     def write_engine(path: Path, background: bool) -> Callable[[], None]:
         if strategy.uses_deepspeed(fabric):  # what Fabric hands the engine's save_checkpoint
             fabric.strategy.exclude_frozen_parameters = True
         fabric.save(path, state)
         return lambda: None
-    return Staged(None, write_engine)
+    return Staged(None, write_engine, frozen and strategy.uses_deepspeed(fabric))
 
 
 _GROUP = None  # the gloo group of background saves: training's collectives keep the default one
 
 
-def _stage_sharded(fabric, state: dict) -> Staged:
+def _stage_sharded(fabric, state: dict, frozen: bool) -> Staged:
     from torch.distributed import checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                          get_optimizer_state_dict)
@@ -114,11 +116,9 @@ def _stage_sharded(fabric, state: dict) -> Staged:
     tensors, meta = {}, {}
     for key, obj in state.items():
         if isinstance(obj, nn.Module):
-            tensors[key] = get_model_state_dict(module, options=StateDictOptions(ignore_frozen_params=True,
-                                                                                   cpu_offload=True))
+            tensors[key] = get_model_state_dict(module, options=StateDictOptions(ignore_frozen_params=True))
         elif isinstance(_unwrap_optimizer(obj), torch.optim.Optimizer):
-            tensors[key] = get_optimizer_state_dict(module, _unwrap_optimizer(obj),
-                                                    options=StateDictOptions(cpu_offload=True))
+            tensors[key] = get_optimizer_state_dict(module, _unwrap_optimizer(obj))
         else:
             meta[key] = _cpu_copy(obj.state_dict() if hasattr(obj, "state_dict") else obj)
 
@@ -133,7 +133,7 @@ def _stage_sharded(fabric, state: dict) -> Staged:
         if _GROUP is None:
             _GROUP = dist.new_group(backend="gloo")
         return dcp.async_save(tensors, checkpoint_id=path, process_group=_GROUP).result
-    return Staged(_nbytes(tensors), write)
+    return Staged(_nbytes(tensors), write, frozen)
 
 
 def read_state(fabric, path: Path, state: dict, trained_only: bool) -> None:
