@@ -104,7 +104,8 @@ def save_times(args) -> dict:
         fabric.barrier()
         return time.perf_counter() - start
 
-    root = Path(fabric.broadcast(tempfile.mkdtemp(prefix="checkpoint-saves-", dir=args.tmp)))
+    root = Path(fabric.broadcast(tempfile.mkdtemp(prefix="checkpoint-saves-", dir=args.tmp)
+                                 if fabric.is_global_zero else None))
     timed(2)  # warm-up: the optimizer's moments allocated
     lost = {"sync": [], "async": []}
     baseline = []
