@@ -13,7 +13,7 @@ from torch import nn
 
 from fabric_utils import strategy
 from fabric_utils.errors import UserError
-from fabric_utils.private import _unwrap_compiled
+from fabric_utils.private import _unwrap_compiled, _unwrap_objects
 from fabric_utils.progress import say
 
 META = "meta.pt"  # beside a sharded checkpoint's files: what is not a model or optimizer, as Fabric names it
@@ -67,10 +67,6 @@ def _nbytes(value) -> int:
     return 0
 
 
-def _unwrap_optimizer(obj):
-    return getattr(obj, "optimizer", obj)  # Fabric's wrapper
-
-
 class Staged:
     """A state ready to write: ``nbytes`` on this rank (None: not known before writing), ``write(path, background)``,
     which starts the write and returns what completes it (to run in a thread: it makes no collective call), and
@@ -114,11 +110,11 @@ def _stage_sharded(fabric, state: dict, frozen: bool) -> Staged:
 
     module = bare_module(state["model"])
     tensors, meta = {}, {}
-    for key, obj in state.items():
+    for key, obj in _unwrap_objects(state).items():
         if isinstance(obj, nn.Module):
             tensors[key] = get_model_state_dict(module, options=StateDictOptions(ignore_frozen_params=True))
-        elif isinstance(_unwrap_optimizer(obj), torch.optim.Optimizer):
-            tensors[key] = get_optimizer_state_dict(module, _unwrap_optimizer(obj))
+        elif isinstance(obj, torch.optim.Optimizer):
+            tensors[key] = get_optimizer_state_dict(module, obj)
         else:
             meta[key] = _cpu_copy(obj.state_dict() if hasattr(obj, "state_dict") else obj)
 
@@ -155,18 +151,17 @@ def _read_sharded(path: Path, state: dict, trained_only: bool) -> None:
                                                          get_optimizer_state_dict, set_model_state_dict,
                                                          set_optimizer_state_dict)
 
-    module = bare_module(state["model"])
-    models = [k for k, v in state.items() if isinstance(v, nn.Module)]
-    optimizers = [k for k, v in state.items() if isinstance(_unwrap_optimizer(v), torch.optim.Optimizer)]
+    module, plain = bare_module(state["model"]), _unwrap_objects(state)
+    models = [k for k, v in plain.items() if isinstance(v, nn.Module)]
+    optimizers = [k for k, v in plain.items() if isinstance(v, torch.optim.Optimizer)]
     tensors = {k: get_model_state_dict(module, options=StateDictOptions(ignore_frozen_params=trained_only))
                for k in models}
-    tensors.update({k: get_optimizer_state_dict(module, _unwrap_optimizer(state[k])) for k in optimizers})
+    tensors.update({k: get_optimizer_state_dict(module, plain[k]) for k in optimizers})
     dcp.load(tensors, checkpoint_id=path)
     for k in models:
         set_model_state_dict(module, tensors[k], options=StateDictOptions(strict=not trained_only))
     for k in optimizers:
-        set_optimizer_state_dict(module, _unwrap_optimizer(state[k]), tensors[k],
-                                 options=StateDictOptions(cpu_offload=True))
+        set_optimizer_state_dict(module, plain[k], tensors[k], options=StateDictOptions(cpu_offload=True))
     meta = torch.load(path / META, weights_only=True)
     for key in state.keys() - {*models, *optimizers}:
         if key not in meta:
