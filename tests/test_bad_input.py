@@ -21,7 +21,7 @@ import pandas as pd
 import pytest
 import torch
 
-from conftest import REPO, fabric_cli, forkable, run, shimmed, subprocess_env
+from conftest import REPO, fabric_cli, forkable, popen, run, shimmed, subprocess_env
 from data.demo import make_review, prepare_demo
 from fabric_utils.checkpoint import write_manifest
 
@@ -328,6 +328,29 @@ def test_a_forked_run_reports_what_a_fresh_interpreter_does(tmp_path, monkeypatc
     fresh = run(command, check=False)
     assert fresh.returncode == 2 and "does not exist" in fresh.stderr, fresh.stderr[-3000:]
     assert (forked.returncode, forked.stdout, forked.stderr) == (fresh.returncode, fresh.stdout, fresh.stderr)
+
+
+@pytest.mark.parametrize("offline", [True, False], ids=["HF_HUB_OFFLINE", "no_network"])
+def test_a_hub_model_not_on_this_machine_stops_at_once_naming_model_path(tmp_path, offline):
+    """A hub id in no local cache, offline or with no network (the hub's address refuses connections): one line
+    naming --model PATH within 10 s of the run's start, not after the hub client's minute of retries. Timed forked
+    (the run's imports done), after a first run that started the forkserver."""
+    env = subprocess_env()
+    if not offline:
+        del env["HF_HUB_OFFLINE"]
+        env["HF_ENDPOINT"] = "http://127.0.0.1:9"  # the discard port, where nothing listens
+    dataset = write_reviews(tmp_path / "my.csv", 40, seed=0)
+    assert popen([sys.executable, "train.py", "--help"], env, tmp_path / "help.log").wait(timeout=300) == 0
+    start = time.monotonic()
+    stopped = popen([sys.executable, "train.py", "--dataset", str(dataset), "--model", "fabric-template/not-here",
+                     *QUICK, "--out-dir", str(tmp_path / "run")], env, tmp_path / "run.log").wait(timeout=120)
+    seconds = time.monotonic() - start
+    output = (tmp_path / "run.log").read_text()
+    assert stopped == 2 and output.splitlines()[-1].startswith("error: model fabric-template/not-here is not on this "
+                                                               "machine"), output[-3000:]
+    assert output.splitlines()[-1].endswith(": pass --model PATH, a local model folder") and "Retrying" not in output
+    assert seconds < 10, f"{seconds:.1f} s"
+    assert not (tmp_path / "run").exists()
 
 
 def test_predict_on_a_folder_that_holds_no_run_is_one_line(tmp_path):
