@@ -157,7 +157,7 @@ def setup(args: argparse.Namespace, verbose: bool) -> TaskSpec:
               **({"base model weights (SHA-256)": weights_digest(data.model_source)} if args.lora_r else {})},
         # [:] reads a column whole: a datasets Column read row by row takes seconds on 25,000 rows
         lengths=RowLengths(per_split={name: split["length"][:] for name, split in data.splits.items()},
-                           in_batch=row_lengths, longest=args.max_length),
+                           in_batch=row_lengths, longest=args.max_length, padded_to=padded_length),
         chance_loss={name: objective.chance_loss(data.splits[name]["labels"][:],
                                                  fitted_on=data.splits["train"]["labels"][:])
                      for name in ("train", "validation")},
@@ -568,6 +568,10 @@ def row_lengths(batch: dict) -> torch.Tensor:
         return batch["attention_mask"].sum(dim=1)
     rows, length = batch["input_ids"].shape
     return torch.full((rows,), length)
+
+
+def padded_length(batch: dict) -> int:
+    return batch["input_ids"].shape[1]
 
 
 # ---- predictions on new rows: predict.py --------------------------------------------------------------------------

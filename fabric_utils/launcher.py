@@ -1,6 +1,7 @@
 """The ``lightning.Fabric`` of the launch flags, or of ``fabric run``'s settings, and its processes."""
 
 import contextlib
+import importlib
 import os
 import signal
 import subprocess
@@ -12,6 +13,7 @@ from pathlib import Path
 import torch
 from lightning.fabric import Fabric
 from lightning.fabric.accelerators import ACCELERATOR_REGISTRY
+from lightning.fabric.plugins.environments import ClusterEnvironment, LightningEnvironment
 from lightning.fabric.plugins.precision import DeepSpeedPrecision, Precision
 from lightning.fabric.strategies import STRATEGY_REGISTRY, DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
 from lightning.fabric.strategies import deepspeed as fabric_deepspeed
@@ -21,7 +23,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from fabric_utils.args import FP8, FSDP2, LAUNCH_DEFAULTS, fabric_run_settings, launched_by_cli
 from fabric_utils.errors import PeerLost, UserError, first_line, lost_a_peer
 from fabric_utils.speed import check_fp8_supported
-from fabric_utils.private import _BackwardSyncControl, set_backward_sync_control
+from fabric_utils.private import _BackwardSyncControl, cluster_environment, set_backward_sync_control
 from fabric_utils.sharding import BlockPolicy, materialize_unit, mixed_precision_policy, shard_blocks
 from fabric_utils.strategy import uses_deepspeed
 
@@ -107,11 +109,31 @@ def cpu_has_fast_bf16(cpuinfo: str | None = None) -> bool:
     return "amx_bf16" in flags or {"AuthenticAMD", "avx512_bf16"} <= flags
 
 
+# launchers whose processes Fabric cannot tell apart from its own, named by the launcher or the job's manifest
+CLUSTER_ENVIRONMENT = "FABRIC_TEMPLATE_CLUSTER"
+CLUSTER_ENVIRONMENTS = {"kubeflow": ("lightning.fabric.plugins.environments", "KubeflowEnvironment"),  # a PyTorchJob
+                        "ray": ("ray.train.lightning", "RayLightningEnvironment")}  # set by scripts/ray_train.py
+
+
+def named_cluster_environment() -> list:
+    """The environment named in ``CLUSTER_ENVIRONMENT`` (none: Fabric detects it), imported only when named."""
+    name = os.environ.get(CLUSTER_ENVIRONMENT)
+    if not name:
+        return []
+    if name not in CLUSTER_ENVIRONMENTS:
+        known = " or ".join(CLUSTER_ENVIRONMENTS)
+        raise UserError(f"{CLUSTER_ENVIRONMENT}={name} is not a launcher this knows: set {known}, or unset it")
+    module, cls = CLUSTER_ENVIRONMENTS[name]
+    return [getattr(importlib.import_module(module), cls)()]
+
+
 def build_fabric(accelerator=None, devices=None, num_nodes=None, strategy=None, precision=None, grad_clip=0.0,
                  grad_checkpointing=False, **fabric_kwargs) -> Fabric:
     """The Fabric of the launch flags (None: not given); a setting Fabric rejects is a one-line ``UserError``."""
     settings = resolve_launch_settings(dict(accelerator=accelerator, devices=devices, num_nodes=num_nodes,
                                             strategy=strategy, precision=precision))
+    if named := named_cluster_environment():
+        fabric_kwargs["plugins"] = [*(fabric_kwargs.get("plugins") or []), *named]
     try:
         strategy = build_strategy(settings, grad_checkpointing)
         if not isinstance(strategy, str):  # Fabric would take `fabric run`'s LT_STRATEGY (in settings) over it
@@ -122,6 +144,7 @@ def build_fabric(accelerator=None, devices=None, num_nodes=None, strategy=None, 
             fabric = Fabric(**{**settings, "strategy": strategy}, **fabric_kwargs)
     except (ValueError, RuntimeError, TypeError, MisconfigurationException) as err:
         raise UserError(f"cannot launch with {settings}: {first_line(err)}") from err
+    check_world_size(cluster_environment(fabric), settings)
     check_precision_supported(settings["precision"], fabric.strategy.precision.precision, fabric.device)
     if precision == FP8:
         check_fp8_supported(fabric.device, settings["strategy"])
@@ -166,6 +189,29 @@ def count_processes(settings: dict) -> int:
     devices_of = type(ACCELERATOR_REGISTRY.get(accelerator))
     devices = devices_of.auto_device_count() if settings["devices"] == "auto" else settings["devices"]
     return settings["num_nodes"] * len(devices_of.get_parallel_devices(devices_of.parse_devices(devices)))
+
+
+def check_world_size(environment: ClusterEnvironment, settings: dict) -> None:
+    """Flags that count other processes than a launcher started (torchrun, SLURM, Kubeflow, Ray) give processes wrong
+    ranks, and the run wrong metrics without a word."""
+    counted, lightning = count_processes(settings), type(environment) is LightningEnvironment
+    if lightning and "WORLD_SIZE" in os.environ:  # it counts the flags' processes: a launcher's are in the variable
+        started = int(os.environ["WORLD_SIZE"])
+    elif not lightning and environment.creates_processes_externally:
+        started = environment.world_size()
+    else:
+        return
+    if started != counted:
+        raise UserError(f"{type(environment).__name__} started {started} processes, but --devices {settings['devices']}"
+                        f" x --num-nodes {settings['num_nodes']} count {counted}; pass --devices (processes per node) "
+                        f"and --num-nodes that multiply to {started}")
+    node, local, per_node = environment.node_rank(), environment.local_rank(), counted // settings["num_nodes"]
+    if lightning and "RANK" in os.environ and int(os.environ["RANK"]) != node * per_node + local:
+        raise UserError(f"the launcher made this process rank {os.environ['RANK']} (RANK), but --devices "
+                        f"{settings['devices']} x --num-nodes {settings['num_nodes']} make it rank "
+                        f"{node * per_node + local} (node {node} x {per_node} + local rank {local}); launch through "
+                        f"torchrun, or give Fabric the launcher's cluster environment (docs/launching.md)",
+                        rank=int(os.environ["RANK"]))
 
 
 def check_precision_supported(precision: str, built: str, device: torch.device) -> None:

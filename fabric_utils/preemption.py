@@ -3,6 +3,7 @@
 
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -22,6 +23,8 @@ class Preemption:
     def __init__(self, signals=(signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)):
         self.requested, self.interrupted, self.training = False, False, True
         self._noted, self._pid = set(), os.getpid()
+        if threading.current_thread() is not threading.main_thread():
+            signals = ()  # Python takes handlers in the main thread only: the launcher's restarts cover it (Ray Train)
         self._previous = {sig: signal.signal(sig, self._handle) for sig in signals}
         self.group, self.vote = None, None  # the vote group; the vote in flight and its flag
 

@@ -29,6 +29,11 @@ def set_backward_sync_control(strategy, control: _BackwardSyncControl) -> None:
     strategy._backward_sync_control = control
 
 
+def cluster_environment(fabric):
+    """The launcher's environment Fabric detected or was given: a single-device strategy keeps none."""
+    return fabric._connector.cluster_environment
+
+
 def stop_workers(loader) -> None:
     """Shuts down a loader's persistent worker processes, as Lightning's Trainer does at the end of a loop."""
     loader = getattr(loader, "_dataloader", loader)  # inside Fabric's wrapper

@@ -204,7 +204,8 @@ class Throughput:
         self.monitor = ThroughputMonitor(fabric, window_size=5)
         if peak_tflops:  # Fabric knows common GPUs' only
             self.monitor.available_flops = peak_tflops * 1e12
-        self.counts = torch.zeros(3, dtype=torch.int64)  # rows, sizes, sum of sizes², on the host
+        # rows, sizes, sum of sizes², real then as computed (filling rows, padding), on the host
+        self.counts = torch.zeros(2, 3, dtype=torch.int64)
         self.flops_logged = 0.0
 
     def start(self, step: int) -> None:
@@ -228,15 +229,21 @@ class Throughput:
     def seconds(self) -> float:
         return time.perf_counter() - self.start_time - self.paused_s
 
-    def count(self, rows: int, sizes: torch.Tensor | None) -> None:
-        """``sizes``: each row's, on the host, where the task gives them."""
-        if sizes is None:
-            self.counts[0] += rows
-        else:
-            self.counts += torch.stack((torch.ones_like(sizes).sum(), sizes.sum(), (sizes * sizes).sum()))
+    def count(self, rows: int, sizes: torch.Tensor | None, computed: tuple[int, int | None] | None = None) -> None:
+        """``sizes``: each row's, on the host, where the task gives them; ``computed``: the (rows, row size) the
+        device computes, filling rows and padding included (MFU over padded tokens; size None without sizes;
+        None: the rows and sizes counted)."""
+        real = torch.tensor([rows, 0, 0]) if sizes is None else torch.stack(  # no value read: a tensor op
+            (torch.ones_like(sizes).sum(), sizes.sum(), (sizes * sizes).sum()))
+        if computed is None:
+            self.counts += torch.stack((real, real))
+            return
+        filled, size = computed
+        self.counts += torch.stack((real, torch.tensor([filled, 0, 0] if size is None else
+                                                       [filled, filled * size, filled * size * size])))
 
     def log(self, step: int) -> dict:
-        rows, tokens, tokens_sq = self.counts.tolist()
+        rows, tokens, tokens_sq = self.counts[0].tolist()
         flops = self.flops_of(rows, tokens, tokens_sq) if self.flops_of else None
         self.monitor.update(time=self.seconds(), batches=step - self.start_step, samples=rows,
                             lengths=tokens if self.sized else None,  # it takes FLOPs since its last update
@@ -247,12 +254,16 @@ class Throughput:
         return self.monitor.compute_and_log(step=step)
 
     def stop(self) -> dict:
-        """Over all ranks: seconds, rows/s, tokens/s (with sizes), MFU (None: peak unknown)."""
+        """Over all ranks: seconds, rows/s, tokens/s (with sizes), MFU over real tokens and over the tokens computed
+        (padded; None: peak unknown)."""
         seconds, peak = self.seconds(), self.monitor.available_flops
         counts = self.counts.double().to(self.fabric.device)
-        rows, tokens, tokens_sq = self.fabric.all_reduce(counts, reduce_op="sum").tolist()
-        flops = self.flops_of(rows, tokens, tokens_sq) if self.flops_of else None
+        real, computed = self.fabric.all_reduce(counts, reduce_op="sum").tolist()
+        rows, tokens = real[:2]
+
+        def mfu(counted):
+            flops = self.flops_of(*counted) if self.flops_of else None
+            return flops / seconds / (peak * self.fabric.world_size) if peak and flops is not None else None
         return {"train_time_s": seconds, "train_samples_per_s": rows / seconds,
                 **({"train_tokens_per_s": tokens / seconds} if self.sized else {}),
-                "mfu": flops / seconds / (peak * self.fabric.world_size) if peak and flops is not None else None,
-                "recompiles_after_warm_up": self.recompiles()}
+                "mfu": mfu(real), "mfu_padded": mfu(computed), "recompiles_after_warm_up": self.recompiles()}

@@ -54,6 +54,7 @@ class RowLengths:
     per_split: dict[str, Sequence[int]]  # each row's length, per split: training groups similar ones, evaluation sorts
     in_batch: Callable[[dict], torch.Tensor]  # a batch's real tokens per row, on the host (before it moves: no sync)
     longest: int  # no row is longer
+    padded_to: Callable[[dict], int]  # the size every row of a batch is padded to: what the device computes
 
 
 @dataclass

@@ -175,9 +175,10 @@ def shimmed(**switches: str) -> dict:
     return {**switches, "PYTHONPATH": os.pathsep.join([str(SHIMS), str(REPO)])}
 
 
-def run(command: list, timeout=600, deepspeed_cpu=False, check=True) -> subprocess.CompletedProcess:
-    """Runs a command from the repository root; with ``deepspeed_cpu``, under the test-only DeepSpeed CPU shim."""
-    env = subprocess_env()
+def run(command: list, timeout=600, deepspeed_cpu=False, check=True, env=None) -> subprocess.CompletedProcess:
+    """Runs a command from the repository root (``env``: variables set for it); with ``deepspeed_cpu``, under the
+    test-only DeepSpeed CPU shim."""
+    env = {**subprocess_env(), **(env or {})}
     if deepspeed_cpu:
         env.update(shimmed(FABRIC_TEMPLATE_DEEPSPEED_CPU="1"))
     if forkable(command):

@@ -65,6 +65,21 @@ def test_the_training_clock_leaves_out_validations_and_checkpoints():
     assert result["train_samples_per_s"] == pytest.approx(2 / result["train_time_s"])
 
 
+def test_mfu_counts_real_tokens_and_the_padded_batch_the_device_computes():
+    """Compiled or eager, a row's MFU comes from host counts: over its real tokens, and over the (rows, length) the
+    device computes, filling rows and padding included (what a GPU's peak is measured against)."""
+    fabric = build_fabric_from_flags()
+    monitor = Throughput(fabric, peak_tflops=1e-12, flops_of=lambda rows, tokens, tokens_sq: 10 * rows + tokens,
+                         sized=True)
+    monitor.start(step=0)
+    monitor.count(2, torch.tensor([5, 7]), computed=(4, 8))  # 2 rows filled to 4, padded to 8 tokens
+    monitor.count(3, torch.tensor([8, 8, 8]), computed=(4, 8))
+    result = monitor.stop()
+    seconds = result["train_time_s"]
+    assert result["mfu"] == pytest.approx((10 * 5 + 36) / seconds)
+    assert result["mfu_padded"] == pytest.approx((10 * 8 + 64) / seconds)
+
+
 @pytest.mark.parametrize("other_cpus, expected", [(range(6), 6 // 2 - 1), (range(6, 12), 4)])
 def test_loader_workers_count_the_cpus_this_process_may_use(monkeypatch, other_cpus, expected):
     """Bound to 6 of a node's 64 CPUs (taskset, a cgroup), 2 GPU processes that share them get 2 workers each, not 4.

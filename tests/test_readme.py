@@ -2,6 +2,7 @@
 their measured figures are the study reports'. Nothing here reads code for figures, so an edit to train.py, task.py
 or fabric_utils/ fails no test because a document was not updated."""
 
+import importlib.util
 import json
 import os
 import re
@@ -60,6 +61,13 @@ def check_parses(words: list[str]) -> None:
         from torch.distributed.run import get_args_parser
 
         get_args_parser().parse_args([*launcher, "train.py"])
+    elif launcher[:1] == ["scripts/sweep.py"]:  # a sweep: its flags, then the launch command of its trials
+        spec = importlib.util.spec_from_file_location("sweep", REPO / "scripts" / "sweep.py")
+        sweep = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sweep)
+        args = sweep.parse_args(words[2:])
+        assert words[at:] == args.command[1:]
+        return check_parses(args.command)
     else:
         assert launcher == [], words
     argv = [word.replace("$MODEL", "MODEL") for word in words[at + 1:]]

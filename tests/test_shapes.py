@@ -63,18 +63,21 @@ def test_a_short_last_batch_filled_to_the_fixed_size_trains_as_the_short_batch(d
 
 
 def test_after_warm_up_an_epoch_of_bucketed_batches_compiles_nothing(demo_tokenizer):
-    """The model compiled as train.py's --compile does, warmed up, in training and evaluation, on a batch of each kind among
-    the first ones (padded or not) and the task's unpadded example batch: an epoch of bucketed, filled batches, padded and not, then evaluation, reuse its graphs
-    (dynamo's eager backend: the guards, and so the recompiles, are the same as inductor's, without its build time)."""
-    from lightning.fabric import Fabric
+    """The model compiled as train.py's --compile does, with Inductor as on a GPU, warmed up, in training and
+    evaluation, on a batch of each kind among the first ones (padded or not) and the task's unpadded example batch: an
+    epoch of bucketed, filled batches of every bucket, padded and not, then evaluation, reuse its graphs and kernels.
+    Compiling happens in the warm-up, before train.py starts its clocks, and not once in the epoch after it."""
+    import time
 
-    from fabric_utils.private import dynamo_counters
+    from lightning.fabric import Fabric
+    from torch._dynamo.utils import counters
+
     from fabric_utils.speed import batch_kinds, compile_model, warm_up
 
     config = AutoConfig.for_model("bert", vocab_size=len(demo_tokenizer), hidden_size=16, num_hidden_layers=1,
                                   num_attention_heads=2, intermediate_size=32, num_labels=2)
     torch.manual_seed(0)
-    model = compile_model(AutoModelForSequenceClassification.from_config(config), backend="eager")
+    model = compile_model(AutoModelForSequenceClassification.from_config(config))
     objective = ClassifierObjective("single_label", num_labels=2)
     lengths = [5 + (i * 37) % 60 for i in range(203)] + [64] * 24  # some batches of full rows: no padding
     rows = [{"input_ids": torch.randint(5, len(demo_tokenizer), (n,)), "attention_mask": torch.ones(n, dtype=torch.long),
@@ -89,17 +92,29 @@ def test_after_warm_up_an_epoch_of_bucketed_batches_compiles_nothing(demo_tokeni
         return objective.loss(objective.forward(module, batch)[:rows], first_rows(batch, rows))
 
     example = {"input_ids": torch.randint(5, len(demo_tokenizer), (8, 64)), "labels": torch.zeros(8, dtype=torch.long)}
+    started = time.perf_counter()
     warm_up(Fabric(accelerator="cpu", devices=1), model, optimizer,
             [fill_rows(batch, 8) for batch in batch_kinds(itertools.chain([example], loaders["train"]))], loss_fn)
-    graphs, kinds = dynamo_counters["stats"]["unique_graphs"], set()
+    warm_up_s = time.perf_counter() - started
+
+    def compiled():  # graphs dynamo captured, AOTAutograd's forward and backward, Inductor's builds (or cache hits)
+        return (counters["stats"]["unique_graphs"], counters["aot_autograd"]["total"],
+                counters["inductor"]["fxgraph_cache_miss"] + counters["inductor"]["fxgraph_cache_hit"])
+
+    warmed, shapes, steps_s = compiled(), set(), []
+    assert min(warmed) > 0, warmed  # Inductor built the graphs (train and evaluation, padded and not)
     for batch in loaders["train"]:
-        kinds.add("attention_mask" in batch)
+        shapes.add((tuple(batch["input_ids"].shape), "attention_mask" in batch))
+        started = time.perf_counter()
         loss_fn(model, fill_rows(batch, 8), rows=len(batch["labels"])).backward()
         optimizer.step()
         optimizer.zero_grad()
+        steps_s.append(time.perf_counter() - started)
     with torch.no_grad():
         model.eval()
         for batch in loaders["validation"]:
             loss_fn(model, batch)
-    assert kinds == {True, False} and len(loaders["train"]) > 25
-    assert dynamo_counters["stats"]["unique_graphs"] == graphs
+    assert {length for (rows, length), padded in shapes} == set(length_buckets(64, 8))  # every bucket
+    assert {padded for shape, padded in shapes} == {True, False} and len(loaders["train"]) > 25
+    assert compiled() == warmed  # 0 recompiles after the warm-up, counted
+    assert max(steps_s) < warm_up_s / 10, (max(steps_s), warm_up_s)  # no step pays for compiling

@@ -11,6 +11,10 @@ FABRIC_TEMPLATE_FP16_CPU=1 makes ``--precision 16-mixed`` on CPU real fp16 autoc
 FABRIC_TEMPLATE_FP8_CPU=1 lets ``--precision fp8-mixed`` run on CPU: torch computes float8 matrix products there too
 (slowly), so torchao's layers train through the whole loop where only an H100-class GPU is otherwise accepted.
 
+FABRIC_TEMPLATE_COMPILE_EAGER=1 makes every ``torch.compile`` (train.py's --compile, the Trainer's torch_compile) use
+the aot_eager backend: the graphs, guards, recompiles and forward/backward split Inductor gets, run without its minutes
+of building kernels on a CPU (bench/gpu_check.py's dry run; tests/test_shapes.py compiles with Inductor itself).
+
 FABRIC_TEMPLATE_FSDP_CPU=1 lets Fabric's FSDP strategy (``--strategy fsdp``, torch's FSDP1) run on CPU processes.
 Fabric refuses it unless the accelerator is CUDA, and hands FSDP the device's index, which a CPU device lacks; FSDP1
 then looks for an accelerator and finds none. FSDP1 itself shards, gathers and reduce-scatters CPU tensors over gloo.
@@ -144,3 +148,15 @@ if os.environ.get("FABRIC_TEMPLATE_FP8_CPU") == "1":
         speed.has_float8_matmuls = lambda device: True
 
     _after_import.add("fabric_utils.speed", patch_fp8)
+
+if os.environ.get("FABRIC_TEMPLATE_COMPILE_EAGER") == "1":
+
+    def patch_compile(torch):
+        compile_ = torch.compile
+
+        def compile_eagerly(model=None, **kwargs):
+            return compile_(model, **{**kwargs, "backend": "aot_eager", "mode": None, "options": None})
+
+        torch.compile = compile_eagerly
+
+    _after_import.add("torch", patch_compile)
