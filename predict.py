@@ -9,11 +9,16 @@ not there. The task (``task.predict``) says how its exported model reads a file.
 
 from pathlib import Path
 
-import yaml
-
 import task
-from fabric_utils.args import Parser, positive_int
-from fabric_utils.errors import UserError, exit_on_user_error, first_line
+from fabric_utils.args import Parser, build_parser, load_config, positive_int
+from fabric_utils.errors import UserError, exit_on_user_error
+
+
+def run_flag_parser():
+    """train.py's flags, the task's among them: what a run's config.yaml holds."""
+    parser = build_parser(description="")
+    task.add_args(parser)
+    return parser
 
 
 @exit_on_user_error
@@ -36,13 +41,8 @@ def main(argv=None) -> Path:
     if not out.parent.is_dir() or out.is_dir():  # said now, not after the model has run
         raise UserError(f"--out {out}: {out if out.is_dir() else out.parent} is not a folder a file can be written "
                         f"into; pass a file path in an existing folder")
-    try:  # the run's first segment: how it read its data
-        flags = yaml.safe_load((args.run / "config.yaml").read_text())
-    except yaml.YAMLError as err:
-        raise UserError(f"{args.run / 'config.yaml'} is not YAML ({first_line(err)}): pass the folder of a run "
-                        f"train.py wrote") from err
-    if not isinstance(flags, dict):
-        raise UserError(f"{args.run / 'config.yaml'} holds no flags: pass the folder of a run train.py wrote")
+    # the run's first segment: how it read its data, each value checked by its flag's own type as --config is
+    flags = load_config(str(args.run / "config.yaml"), run_flag_parser())
     flags.update({name: value for name in ("text_column", "text_pair_column") if (value := getattr(args, name))})
     # here: the libraries load only for a valid command
     from fabric_utils.progress import silence_libraries

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fabric_utils.args import dropout, non_negative_int, positive_float, positive_int, probability
-from fabric_utils.errors import UserError, first_line
+from fabric_utils.errors import UserError, first_line, held_stderr
 from fabric_utils.task_spec import RowLengths, TaskSpec
 
 # --lr's default, by the model's width (hidden size), as each entry is the widest model it covers: its peak for a
@@ -610,8 +610,15 @@ def predict(folder: Path, source: Path, flags: dict, batch_size: int) -> dict[st
     problem_type = {hf: name for name, hf in HF_PROBLEM_TYPES.items()}[model.config.problem_type]
     objective = ClassifierObjective(problem_type, num_labels=model.config.num_labels,
                                     label_names=[model.config.id2label[i] for i in range(model.config.num_labels)])
-    inputs = tokenize_splits(datasets.DatasetDict(rows=rows.select_columns(texts)), tokenizer, flags["text_column"],
-                             flags["max_length"], flags["text_pair_column"])["rows"].remove_columns("length")
+    try:
+        with held_stderr():
+            inputs = tokenize_splits(datasets.DatasetDict(rows=rows.select_columns(texts)), tokenizer,
+                                     flags["text_column"], flags["max_length"], flags["text_pair_column"])
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as err:  # a tokenizer's panic is a BaseException
+        raise UserError(f"the tokenizer of {folder} failed on the rows of {source}: {first_line(err)[:200]}") from err
+    inputs = inputs["rows"].remove_columns("length")
     collate = make_collator(tokenizer, False, flags["max_length"], flags["pad_to_multiple_of"])
     predicted = []
     batches = torch.utils.data.DataLoader(inputs, batch_size=batch_size, collate_fn=collate)

@@ -59,7 +59,7 @@ def setup(argv=None) -> dict:
                               grad_checkpointing=flags.grad_checkpointing, loggers=loggers)  # Fabric step 1
         launch(fabric)                                                                        # Fabric step 2
         # nodes started apart in time agree on rank 0's folder
-        with locked_run_folder(fabric, out_dir) as run_dir, explain_lost_peers(fabric):
+        with locked_run_folder(fabric, out_dir, flags.resume) as run_dir, explain_lost_peers(fabric):
             return main(fabric, flags, run_dir)
 
 

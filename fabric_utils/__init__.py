@@ -9,7 +9,7 @@ from fabric_utils.task_spec import TaskSpec  # what a task gives the loop
 PUBLIC = {
     "launcher": ("build_fabric", "launch", "explain_lost_peers",  # Fabric from the flags, its processes, lost peers
                  "warn_if_updates_vanish"),  # bf16-true weights round small updates away
-    "run_folder": ("proposed_run_folder", "locked_run_folder",  # one run per folder, removed if a start fails
+    "run_folder": ("proposed_run_folder", "locked_run_folder",  # one run per folder; a failed start undoes its own
                    "environment_report", "save_config", "write_predictions"),  # what the run records
     "loggers": ("make_loggers", "finalize_loggers", "plot_metrics"),  # CSV and the trackers, flushed; the plots
     "threads": ("set_threads",),  # CPU threads per process: the idle CPUs, shared by the node's processes

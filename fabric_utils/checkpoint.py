@@ -188,27 +188,67 @@ def _sha256(path: Path) -> str:
 
 
 def damage(path: Path, contents: bool = True) -> str | None:
-    """What is wrong with checkpoint folder ``path`` by its manifest (``contents``: hashes too), or None."""
+    """What is wrong with checkpoint folder ``path`` by its manifest (``contents``: hashes and the record's values
+    too), or None."""
     try:
-        files = json.loads((path / MANIFEST).read_text())
-        written = {name: (int(entry["bytes"]), str(entry["sha256"])) for name, entry in files.items()}
-    except (OSError, ValueError, TypeError, KeyError):
+        written = read_manifest(path)
+    except OSError:
         return f"its {MANIFEST} is missing or cannot be read"
+    except ValueError as err:
+        return f"its {MANIFEST} is not as written: {first_line(err)[:200]}"
     folder = path.resolve()
     found = {str(p.relative_to(path)) for p in path.rglob("*") if p.is_file()} - {MANIFEST}
     for name, (size, digest) in written.items():
         file = path / name
-        if not file.resolve().is_relative_to(folder):
-            return f"its {MANIFEST} names {name}, outside the checkpoint"
-        if not file.is_file():
-            return f"{name} is missing"
-        if (on_disk := file.stat().st_size) != size:
-            return f"{name} has {on_disk} bytes, not the {size} written"
-        if contents and _sha256(file) != digest:
-            return f"{name} is not the file written (its SHA-256 differs)"
+        try:
+            if not file.resolve().is_relative_to(folder):
+                return f"its {MANIFEST} names {name}, outside the checkpoint"
+            if not file.is_file():
+                return f"{name} is missing"
+            if (on_disk := file.stat().st_size) != size:
+                return f"{name} has {on_disk} bytes, not the {size} written"
+            if contents and _sha256(file) != digest:
+                return f"{name} is not the file written (its SHA-256 differs)"
+        except (OSError, RuntimeError) as err:  # the latter: a symlink loop
+            return f"its {MANIFEST} names {name}, which cannot be read ({first_line(err)[:100]})"
     if extra := sorted(found - written.keys()):
         return f"{extra[0]} was not written with it"
+    if contents:  # the record as written (by its hash), then its values
+        try:
+            read_record(path)
+        except UserError:
+            return f"its {RECORD} is not the one train.py writes"
     return None
+
+
+MAX_RECORD_BYTES = 16 << 20  # manifest.json and record.json: kilobytes as written
+
+
+def _read_json(file: Path):
+    if (size := file.stat().st_size) > MAX_RECORD_BYTES:
+        raise ValueError(f"it has {size} bytes")
+    try:
+        return json.loads(file.read_text())
+    except RecursionError as err:
+        raise ValueError("it nests too deep") from err
+
+
+def read_manifest(path: Path) -> dict[str, tuple[int, str]]:
+    """Checkpoint ``path``'s manifest, name -> (bytes, SHA-256); a ValueError saying what is not as written."""
+    files = _read_json(path / MANIFEST)
+    if not isinstance(files, dict):
+        raise ValueError(f"it holds a {type(files).__name__}, not a file per name")
+    written = {}
+    for name, entry in files.items():
+        size, digest = (entry.get("bytes"), entry.get("sha256")) if isinstance(entry, dict) else (None, None)
+        parts = Path(name).parts
+        if (not name or "\0" in name or Path(name).is_absolute() or ".." in parts
+                or any(len(part.encode()) > 255 for part in parts)):
+            raise ValueError(f"it names {name[:100]!r}, not a file inside the checkpoint")
+        if type(size) is not int or size < 0 or not isinstance(digest, str) or not re.fullmatch("[0-9a-f]{64}", digest):
+            raise ValueError(f"its entry for {name[:100]!r} is not a size in bytes and a SHA-256")
+        written[name] = size, digest
+    return written
 
 
 def step_checkpoints(root: Path, report: Callable[[str], None] | None = None) -> list[Path]:
@@ -286,18 +326,31 @@ def verify(fabric, folder: Path) -> None:
 
 
 def read_record(path: Path) -> dict:
+    """Checkpoint ``path``'s record, checked: a world size, and a fingerprint whose rows per step are a count."""
     try:
-        return json.loads((path / RECORD).read_text())
+        record = _read_json(path / RECORD)
     except (OSError, ValueError) as err:
         raise UserError(f"cannot restore checkpoint {path}: its {RECORD} cannot be read ({type(err).__name__}); "
                         f"pass another --resume or start a new --out-dir") from err
+    fingerprint = record.get(FINGERPRINT) if isinstance(record, dict) else None
+    rows = fingerprint.get(ROWS_PER_STEP, 1) if isinstance(fingerprint, dict) else 1
+    if (not isinstance(record, dict) or not _count(record.get("world_size")) or not _count(rows)
+            or not isinstance(fingerprint, (dict, type(None)))):
+        raise UserError(f"cannot restore checkpoint {path}: its {RECORD} does not hold a world size and rows per "
+                        f"optimizer step of 1 or more ({json.dumps(record)[:200]}); pass another --resume or start "
+                        f"a new --out-dir")
+    return record
+
+
+def _count(value) -> bool:
+    return type(value) is int and value >= 1
 
 
 def load_checkpoint(fabric, path: Path, state: dict, expected_fingerprint: dict | None = None) -> None:
     """Restores ``state`` in place, and this rank's RNG streams; refuses first another fingerprint or world size."""
     record = read_record(path)
     if expected_fingerprint is not None:  # as the record holds it: lists, not tuples
-        _check_fingerprint(path, record[FINGERPRINT], json.loads(json.dumps(expected_fingerprint)))
+        _check_fingerprint(path, record.get(FINGERPRINT), json.loads(json.dumps(expected_fingerprint)))
     written_by = record["world_size"]
     reshards = (path / "state").is_file() or strategy.reshards_checkpoints(fabric)
     if written_by != fabric.world_size and not reshards:
@@ -316,6 +369,7 @@ def load_checkpoint(fabric, path: Path, state: dict, expected_fingerprint: dict 
         if target[key] is not obj:  # sharded loads hand the scheduler back as a state_dict
             obj.load_state_dict(target[key])
             target[key] = obj
+    _check_restored(path, state, target)
     state.update({key: target[key] for key in state})
     rng_file = path / f"rng-rank{fabric.global_rank}.pt"
     if rng_file.exists():  # a rank the writing run did not have keeps its seeded streams
@@ -326,11 +380,25 @@ def load_checkpoint(fabric, path: Path, state: dict, expected_fingerprint: dict 
         set_rng_state(rng)
 
 
+def _check_restored(path: Path, before: dict, restored: dict) -> None:
+    """Refuses plain values that came back as another type, and counts that came back negative."""
+    for key, old in before.items():
+        new = restored.get(key)
+        if type(old) in (int, float, str, list, dict) and (type(new) is not type(old)
+                                                          or type(old) is int and old >= 0 > new):
+            raise UserError(f"cannot restore checkpoint {path}: its {key} is {str(new)[:100]}, where this run has "
+                            f"{'a count' if type(old) is int else f'a {type(old).__name__}'}; pass another --resume "
+                            f"or start a new --out-dir")
+
+
 def _same_value(a, b) -> bool:
     """Equal, or two spellings of one local path."""
     if isinstance(a, str) and isinstance(b, str) and a != b:
-        pa, pb = Path(a).expanduser(), Path(b).expanduser()
-        return pa.exists() and pb.exists() and pa.resolve() == pb.resolve()
+        try:
+            pa, pb = Path(a).expanduser(), Path(b).expanduser()
+            return pa.exists() and pb.exists() and pa.resolve() == pb.resolve()
+        except (OSError, ValueError, RuntimeError):  # not a path: a NUL, an unknown ~user, a symlink loop
+            return False
     return a == b
 
 
@@ -340,7 +408,7 @@ def _check_fingerprint(path: Path, found, expected: dict) -> None:
                         f"another --resume")
     differ = sorted(k for k in {*found, *expected} if not _same_value(found.get(k), expected.get(k)))
     if differ:
-        changes = ", ".join(f"{k} {found.get(k)} (now {expected.get(k)})" for k in differ)
+        changes = ", ".join(f"{k[:100]} {str(found.get(k))[:100]} (now {expected.get(k)})" for k in differ[:5])
         raise UserError(f"checkpoint {path} was written with {changes}; resume with the same flags, or start a new "
                         f"--out-dir")
 
@@ -350,9 +418,12 @@ def keep_rows_per_step(fabric, batch_size: int, grad_accum: int, checkpoint: Pat
     if checkpoint is None:
         return grad_accum
     record = read_record(checkpoint)
-    written_by, rows = record["world_size"], record[FINGERPRINT][ROWS_PER_STEP]
+    written_by, rows = record["world_size"], (record.get(FINGERPRINT) or {}).get(ROWS_PER_STEP)
     if written_by == fabric.world_size:
         return grad_accum
+    if rows is None:
+        raise UserError(f"checkpoint {checkpoint} does not record its rows per optimizer step: resume it on "
+                        f"{written_by} devices")
     rows_per_batch = batch_size * fabric.world_size
     if rows % rows_per_batch:
         fix = (f"pass a --batch-size that divides {rows // fabric.world_size}" if rows % fabric.world_size == 0

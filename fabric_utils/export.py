@@ -34,7 +34,7 @@ def export_model(fabric, best_state: Path, out: Path, model: torch.nn.Module, fi
     frozen = frozen_weights(fabric, model)
     if fabric.is_global_zero:
         tmp = out.with_name(f".tmp-{out.name}")
-        shutil.rmtree(tmp, ignore_errors=True)
+        _remove(tmp)
         tmp.mkdir(parents=True)
         weights = {**frozen, **full_state_dict(best_state)}
         if write is not None:
@@ -42,6 +42,14 @@ def export_model(fabric, best_state: Path, out: Path, model: torch.nn.Module, fi
         else:
             torch.save(weights, tmp / "model.pt")
             (tmp / "config.json").write_text(json.dumps(fingerprint, indent=2))
-        shutil.rmtree(out, ignore_errors=True)
+        _remove(out)
         tmp.rename(out)
     fabric.barrier()
+
+
+def _remove(path: Path) -> None:
+    """A folder, or a link or file in its place (not what a link points at)."""
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    else:
+        shutil.rmtree(path, ignore_errors=True)

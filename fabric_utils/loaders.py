@@ -8,6 +8,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 
+from fabric_utils.errors import UserError
+
 
 class TrainBatchSampler(Sampler[list[int]]):
     """This rank's batches of one epoch, set by (seed, epoch) and the rows per optimizer step alone, so a resume on any
@@ -20,7 +22,11 @@ class TrainBatchSampler(Sampler[list[int]]):
         self.epoch, self.start_batch = 0, 0
 
     def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
-        self.epoch, self.start_batch = epoch, start_batch
+        self.epoch, self.start_batch = epoch, 0
+        if not 0 <= start_batch < len(self):  # an epoch with no batch left would never end
+            raise UserError(f"cannot resume at batch {start_batch} of an epoch of {len(self)} batches: the checkpoint "
+                            f"is not of this data; pass another --resume or start a new --out-dir")
+        self.start_batch = start_batch
 
     def global_batches(self) -> list[list[int]]:
         """All ranks' batches, ``batch_size * num_replicas`` rows each (the last may have fewer)."""

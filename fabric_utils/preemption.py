@@ -16,12 +16,13 @@ from fabric_utils.launcher import end_job
 from fabric_utils.private import _SubprocessScriptLauncher, stop_workers
 
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "try again later"
+GRACE_S = 120  # after a signal, the longest a run may go without a step before it ends (schedulers kill sooner)
 STATUS_FILE = "preempted.txt"  # in --out-dir; scripts/slurm.sbatch reads it
 
 
 class Preemption:
-    def __init__(self, signals=(signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)):
-        self.requested, self.interrupted, self.training = False, False, True
+    def __init__(self, signals=(signal.SIGTERM, signal.SIGUSR1, signal.SIGINT), grace_s: int = GRACE_S):
+        self.requested, self.interrupted, self.training, self.grace_s = False, False, True, grace_s
         self._noted, self._pid = set(), os.getpid()
         if threading.current_thread() is not threading.main_thread():
             signals = ()  # Python takes handlers in the main thread only: the launcher's restarts cover it (Ray Train)
@@ -36,6 +37,9 @@ class Preemption:
                 signal.signal(signal.SIGINT, signal.SIG_DFL)
                 os.kill(os.getpid(), signal.SIGINT)
             self.interrupted = True
+        if self.training and not self.requested:  # a run stuck between two steps still ends
+            signal.signal(signal.SIGALRM, self._overdue)
+            signal.alarm(self.grace_s)
         self.requested |= self.training
         if (signum, self.training) not in self._noted:
             self._noted.add((signum, self.training))
@@ -46,9 +50,21 @@ class Preemption:
             # os.write: a print() here could land inside another print() and fail
             os.write(2, f"{rank}{signal.Signals(signum).name}: {note}{again}\n".encode())
 
+    def _overdue(self, signum, frame):
+        os.write(2, f"no training step within {self.grace_s} s of the signal: ending without a checkpoint (the last "
+                    f"one stays)\n".encode())
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+
     def agreed(self, fabric) -> bool:
         """Whether all ranks stop now, one step after a signal reached any: an async gloo vote on a host flag, read a
         step later, never waits on the device."""
+        stop = self._agreed(fabric)
+        if self.requested:  # a step was taken: the grace starts again, or ends with the stop
+            signal.alarm(0 if stop else self.grace_s)
+        return stop
+
+    def _agreed(self, fabric) -> bool:
         if fabric.world_size == 1:
             return self.requested
         if self.group is None:
@@ -64,6 +80,8 @@ class Preemption:
     def training_ended(self) -> None:
         """From now on a signal cannot stop the run: it has nothing left to checkpoint."""
         self.training = False
+        if self.requested:
+            signal.alarm(0)
 
     def exit(self, fabric, loaders: dict, out_dir: Path, step: int, checkpoint: Path):
         """Rank 0 writes ``STATUS_FILE``, then every rank exits ``EXIT_PREEMPTED``; a child of Lightning's launcher

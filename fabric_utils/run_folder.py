@@ -2,8 +2,8 @@
 
 import contextlib
 import csv
-import fcntl
 import importlib.metadata
+import itertools
 import json
 import os
 import platform
@@ -15,104 +15,149 @@ from pathlib import Path
 
 import torch
 import yaml
+from filelock import FileLock, Timeout
+from lightning.fabric.utilities.rank_zero import rank_zero_only
 
+from fabric_utils.args import RUN_MARKER
 from fabric_utils.errors import UserError
 from fabric_utils.loggers import save_tracker_ids
 from fabric_utils.progress import say
 
 RUN_DIR_ENV = "FABRIC_TEMPLATE_RUN_DIR"
 LOCK_FILE = ".lock"
-
-
-RUN_FILES = ("config.yaml", "results.json", "checkpoints", "logs")  # what marks a folder as a run's
 KEPT = ("results.json", "checkpoints")  # what makes a failed run's folder worth keeping
 
 
-def prepare_out_dir(out_dir: str | None, resume: str | None) -> tuple[Path, bool]:
-    """The run folder this process proposes, and whether a failed start may remove it: ``--out-dir``, checked now,
-    else ``runs/<time>`` (in the environment, for the processes Fabric starts). A run's folder takes only
-    ``--resume``; one holding files not a run's is refused."""
-    if out_dir is None:
-        path = Path(os.environ.setdefault(RUN_DIR_ENV, f"runs/{datetime.now():%Y%m%d-%H%M%S}"))
-        check_writable(path.parent)
-        return path, True
-    path = Path(out_dir)
+def check_run_folder(path: Path, resume: str | None) -> None:
+    """Refuses a folder that holds files but no run (no ``RUN_MARKER``), and, without ``--resume``, a run's that
+    holds checkpoints or results."""
+    if path.exists() and not path.is_dir():
+        raise UserError(f"cannot write to output folder {path} (it is a file); pass a writable --out-dir")
     held = sorted(p.name for p in path.iterdir() if p.name != LOCK_FILE) if path.is_dir() else []
-    if held and not any(name in RUN_FILES for name in held):
+    if held and RUN_MARKER not in held:
         raise UserError(f"--out-dir {path} holds files that are not a run's ({', '.join(held[:3])}"
                         f"{', ...' if len(held) > 3 else ''}); pass a new or empty --out-dir")
-    if resume is None and any((path / name).exists() for name in KEPT):
+    if resume is None and any(name in KEPT for name in held):
         raise UserError(f"--out-dir {path} holds a run already; continue it with --resume auto, or pass a new "
                         f"--out-dir")
-    created = not path.exists()
-    check_writable(path)
-    return path, created
+
+
+def _first_process() -> bool:
+    """Whether the environment makes this process rank 0 (Lightning's launcher starts the other ranks from it)."""
+    return rank_zero_only.rank == 0 and os.environ.get("NODE_RANK", "0") == "0"
+
+
+def claim_out_dir(out_dir: str | None) -> tuple[Path, bool]:
+    """The run folder this process proposes, and whether it made it (``mkdir``: atomic, so two starts in the same
+    second never share a new folder): ``--out-dir``, else ``FABRIC_TEMPLATE_RUN_DIR`` (as Fabric's processes inherit
+    it), else a new ``runs/<time>``; only the first process makes or checks one, the others take rank 0's."""
+    if out_dir is None and RUN_DIR_ENV not in os.environ:
+        base = Path(f"runs/{datetime.now():%Y%m%d-%H%M%S}")
+        if not _first_process():
+            return base, False
+        for n in itertools.count(1):
+            path = base if n == 1 else base.with_name(f"{base.name}-{n}")
+            if _make(path):
+                os.environ[RUN_DIR_ENV] = str(path)  # for the processes Fabric starts
+                return path, True
+    path = Path(out_dir or os.environ[RUN_DIR_ENV])
+    return path, _first_process() and _make(path)
+
+
+def _make(path: Path) -> bool:
+    """Whether this process made folder ``path`` (False: it exists); one line where it cannot be written."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.mkdir()
+        return True
+    except FileExistsError:
+        if path.is_dir() and os.access(path, os.W_OK | os.X_OK):
+            return False
+        reason = "it is a file" if path.exists() else "permission denied"
+    except OSError as err:
+        reason = err.strerror
+    raise UserError(f"cannot write to output folder {path} ({reason}); pass a writable --out-dir")
 
 
 @contextlib.contextmanager
 def proposed_run_folder(out_dir: str | None, resume: str | None, temporary: bool = False):
-    """``prepare_out_dir``'s folder, removed after a failed start that made it; ``temporary``: removed at the end."""
+    """``claim_out_dir``'s folder, checked now (the lock checks it again); removed after a start that made it if no
+    run wrote into it; ``temporary``: removed at the end."""
     made = None
     if temporary and RUN_DIR_ENV not in os.environ:
         made = os.environ[RUN_DIR_ENV] = tempfile.mkdtemp(prefix="fabric-template-check-")
-    path, created = prepare_out_dir(out_dir, resume=resume)
+    if _first_process() and (given := out_dir or os.environ.get(RUN_DIR_ENV)):
+        check_run_folder(Path(given), resume)  # early, before the processes start
+    path, created = claim_out_dir(out_dir)
     try:
         yield path
     finally:
         if created:
-            remove_if_unused(path)
+            with contextlib.suppress(OSError):  # only while empty: another run may have taken it since
+                path.rmdir()
         if made:
             shutil.rmtree(made, ignore_errors=True)
             say(f"--fast-dev-run: removed its folder {made}")
 
 
-def check_writable(folder: Path) -> None:
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        probe = folder / f".write-test-{os.getpid()}"
-        probe.touch()
-        probe.unlink()
-    except OSError as err:
-        raise UserError(f"cannot write to output folder {folder} ({err.strerror}); pass a writable --out-dir") from err
-
-
 @contextlib.contextmanager
-def locked_run_folder(fabric, proposed: Path):
-    """Rank 0's proposed folder, locked by rank 0 for the run's life; the OS drops the lock with a killed process."""
+def locked_run_folder(fabric, proposed: Path, resume: str | None):
+    """Rank 0's proposed folder, locked by rank 0 for the run's life (the OS drops the lock with a killed process)
+    and checked under the lock; a start that fails removes only what it wrote there, unless it checkpointed."""
     out_dir = Path(fabric.broadcast(str(proposed)))
-    path, lock = out_dir / LOCK_FILE, None
+    path, lock, refused, before = out_dir / LOCK_FILE, None, None, set()
     if fabric.is_global_zero:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        lock = _lock(path)
-    if not fabric.broadcast(lock is not None):
-        raise UserError(f"another run is using --out-dir {out_dir} right now; let it finish, or pass another --out-dir")
+        lock, refused = _lock(path)
+        if lock is not None:
+            try:
+                check_run_folder(out_dir, resume)
+                before = set(os.listdir(out_dir))
+                if RUN_MARKER not in before:
+                    (out_dir / RUN_MARKER).write_text("a fabric-template run's folder: train.py --resume auto "
+                                                      "continues it\n")
+            except (UserError, OSError) as err:
+                refused = str(err) if isinstance(err, UserError) else f"cannot write to {out_dir} ({err.strerror})"
+                _unlock(path, lock)
+                lock = None
+    if refused := fabric.broadcast(refused):
+        raise UserError(refused)
     try:
         yield out_dir
+    except BaseException:
+        if lock is not None and not any((out_dir / name).exists() for name in KEPT):
+            _remove_new(out_dir, before)
+        raise
     finally:
         if lock is not None:
-            path.unlink()  # before the lock goes: a run starting now locks a new file
-            lock.close()
+            _unlock(path, lock)
 
 
-def _lock(path: Path):
-    """``path`` opened and locked, or None where another process holds it; again if a run just ended removed it."""
-    while True:
-        lock = open(path, "a")
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            lock.close()
-            return None
-        with contextlib.suppress(FileNotFoundError):
-            if os.stat(path).st_ino == os.fstat(lock.fileno()).st_ino:
-                return lock
-        lock.close()
+def _lock(path: Path) -> tuple[FileLock | None, str | None]:
+    """``path`` locked, or None and why not: another process holds it, or the folder cannot be written."""
+    lock = FileLock(path, timeout=0, fallback_to_soft=False)  # flock: no stale lock outlives a killed run
+    try:
+        lock.acquire()
+    except Timeout:
+        return None, (f"another run is using --out-dir {path.parent} right now; let it finish, or pass another "
+                      f"--out-dir")
+    except OSError as err:
+        return None, f"cannot write to output folder {path.parent} ({err.strerror}); pass a writable --out-dir"
+    return lock, None
 
 
-def remove_if_unused(path: Path) -> None:
-    """Removes a failed start's folder unless it holds checkpoints or results: it would block the same command."""
-    if path.is_dir() and not any((path / name).exists() for name in KEPT):
-        shutil.rmtree(path)
+def _unlock(path: Path, lock: FileLock) -> None:
+    path.unlink(missing_ok=True)  # before the lock goes: a run starting now locks a new file
+    lock.release()
+
+
+def _remove_new(folder: Path, before: set) -> None:
+    """What a failed start added to ``folder`` (all of a folder it made), and nothing that was there before."""
+    for name in set(os.listdir(folder)) - before - {LOCK_FILE}:
+        entry = folder / name
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)
 
 
 def package_version(name: str) -> str | None:

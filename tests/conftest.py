@@ -1,6 +1,7 @@
 import atexit
 import csv
 import functools
+import hashlib
 import json
 import multiprocessing
 import multiprocessing.forkserver
@@ -111,9 +112,11 @@ def _forkserver(env: dict) -> multiprocessing.forkserver.ForkServer:
     return server
 
 
-def _run_script(argv: list, env: dict, stdout: str, stderr: str) -> None:
+def _run_script(argv: list, env: dict, stdout: str, stderr: str, cwd: str) -> None:
     os.setsid()  # a session and process group of its own, as start_new_session=True gives
-    os.chdir(REPO)
+    if cwd != str(REPO):  # the script by its full path, as a run started elsewhere names it
+        argv = [REPO / argv[0], *argv[1:]]
+    os.chdir(cwd)
     os.environ.update(env)  # over the forkserver's: what its imports set stays, as a fresh interpreter's would
     for fd, path in ((1, stdout), (2, stderr)):
         os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND), fd)
@@ -128,11 +131,11 @@ class ForkedRun:
     """A forked run with the part of ``subprocess.Popen``'s interface the tests use; its output goes to the files
     ``stdout`` and ``stderr`` (the same one for both: merged)."""
 
-    def __init__(self, command: list, env: dict, stdout: Path, stderr: Path):
+    def __init__(self, command: list, env: dict, stdout: Path, stderr: Path, cwd: Path = REPO):
         self.args = command
         # not a daemon: a run's DataLoader workers are multiprocessing children of their own
         self.process = multiprocessing.get_context("forkserver").Process(
-            target=_run_script, args=(command[1:], env, str(stdout), str(stderr)))
+            target=_run_script, args=(command[1:], env, str(stdout), str(stderr), str(cwd)))
         default = multiprocessing.forkserver.connect_to_new_process  # multiprocessing's one forkserver
         multiprocessing.forkserver.connect_to_new_process = _forkserver(env).connect_to_new_process
         try:
@@ -159,14 +162,16 @@ class ForkedRun:
         return self.process.exitcode
 
 
-def popen(command: list, env: dict, log: Path) -> subprocess.Popen | ForkedRun:
-    """``command`` started from the repository root, its output in ``log``, in a process group of its own (a test
-    can wait for every process of a multi-process run); forked where it can be."""
+def popen(command: list, env: dict, log: Path, cwd: Path = REPO) -> subprocess.Popen | ForkedRun:
+    """``command`` started from ``cwd`` (a script named from the repository root), its output in ``log``, in a
+    process group of its own (a test can wait for every process of a multi-process run); forked where it can be."""
     if forkable(command):
         log.write_text("")
-        return ForkedRun(command, env, log, log)
+        return ForkedRun(command, env, log, log, cwd)
+    if cwd != REPO:
+        command = [command[0], str(REPO / command[1]), *command[2:]]
     with open(log, "w") as output:
-        return subprocess.Popen(command, cwd=REPO, env=env, stdout=output, stderr=subprocess.STDOUT,
+        return subprocess.Popen(command, cwd=cwd, env=env, stdout=output, stderr=subprocess.STDOUT,
                                 start_new_session=True)
 
 
@@ -349,6 +354,12 @@ def resumed_step(output: str) -> int:
     found = re.findall(r"resumed from \S+ at step (\d+)", output)
     assert found, f"the run did not resume:\n{output[-3000:]}"
     return int(found[-1])
+
+
+def digest(path: Path) -> dict:
+    """Every file under ``path`` (links too, by name) with its content hash: what must stay as it was."""
+    return {str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "link"
+            for p in sorted(path.rglob("*")) if p.is_file() or p.is_symlink()}
 
 
 def copy_repo(dest: Path) -> Path:

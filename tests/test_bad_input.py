@@ -6,7 +6,6 @@ Importing train.py's dependencies takes longer than most of these runs need to f
 process that imported them once (tests/conftest.py); one case also runs in a fresh interpreter, which checks that a
 forked run reports what a real one does."""
 
-import hashlib
 import json
 import os
 import random
@@ -21,8 +20,9 @@ import pandas as pd
 import pytest
 import torch
 
-from conftest import REPO, fabric_cli, forkable, popen, run, shimmed, subprocess_env
+from conftest import REPO, digest, fabric_cli, forkable, popen, run, shimmed, subprocess_env
 from data.demo import make_review, prepare_demo
+from fabric_utils.args import RUN_MARKER
 from fabric_utils.checkpoint import write_manifest
 
 ROOT = REPO
@@ -30,6 +30,11 @@ DEMO = Path.home() / ".cache" / "fabric-template" / "demo"
 MODEL = str(DEMO / "model")  # the demo's model: a 2-label BertForSequenceClassification
 QUICK = ["--accelerator", "cpu", "--precision", "32-true", "--num-workers", "0", "--max-length", "32", "--epochs", "1",
          "--batch-size", "8", "--quiet"]
+
+# flags whose values, written out, need gigabytes: a YAML alias bomb (9 lists of 9 of the one before)
+ALIAS_BOMB = "lr: 0.001\ntext_column: [" + ", ".join(f"&k{i} [{', '.join([f'*k{i - 1}' if i else '1'] * 9)}]"
+                                                      for i in range(9)) + "]\n"
+
 
 def write_reviews(path: Path, rows: int, seed: int, labels=("negative", "positive"), columns=("text", "label")):
     rng = random.Random(seed)
@@ -47,12 +52,6 @@ def data_folder(path: Path, labels=("negative", "positive")) -> Path:
     for i, (split, rows) in enumerate((("train", 40), ("validation", 8), ("test", 8))):
         write_reviews(path / f"{split}.csv", rows, seed=i, labels=labels)
     return path
-
-
-def digest(path: Path) -> dict:
-    """Every file under ``path`` with its content hash."""
-    return {str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(path.rglob("*")) if p.is_file()}
 
 
 def write_other_model(folder: Path) -> None:
@@ -93,7 +92,7 @@ def build_cases(tmp: Path) -> tuple[list, dict]:
         damaged.mkdir(parents=True)
         (damaged / "rng-rank0.pt").write_bytes(b"garbage")
     (corrupt / "state").write_bytes(random.Random(2).randbytes(4096))  # bytes that unpickle to an IndexError
-    (corrupt / "record.json").write_text("{}")
+    (corrupt / "record.json").write_text('{"world_size": 1, "fingerprint": null}')  # as written: the state is not
     write_manifest(corrupt)
     prepare = {"corrupt_rng_file": {"copy": [[str(good_ckpt / name), str(bad_rng / name)]
                                              for name in ("state", "record.json")], "manifest": str(bad_rng)}}
@@ -103,6 +102,18 @@ def build_cases(tmp: Path) -> tuple[list, dict]:
     (user_files / "notes.txt").write_text("mine\n")
     (user_files / "loss.png").write_bytes(b"my plot")
     (user_files / "model" / "config.json").write_text('{"mine": true}\n')
+    user_run_names = tmp / "user_run_names"  # a user's folder holding the names a run writes
+    (user_run_names / "logs").mkdir(parents=True)
+    (user_run_names / "model").mkdir()
+    (user_run_names / "config.yaml").write_text("notes: mine\n")
+    (user_run_names / "logs" / "day1.csv").write_text("a,b\n1,2\n")
+    (user_run_names / "model" / "my_weights.bin").write_bytes(b"weights")
+    (user_run_names / "notes.txt").write_text("mine\n")
+    bomb_run = tmp / "bomb_run"  # a run's folder whose config.yaml is a YAML alias bomb with valid keys
+    bomb_run.mkdir()
+    (bomb_run / RUN_MARKER).write_text("")
+    (bomb_run / "results.json").write_text("{}")
+    (bomb_run / "config.yaml").write_text(ALIAS_BOMB)
 
     bad_config, not_yaml = tmp / "bad.yaml", tmp / "not.yaml"
     bad_config.write_text("lr: -1.0\n")  # a value the flag's own check refuses
@@ -168,6 +179,14 @@ def build_cases(tmp: Path) -> tuple[list, dict]:
          "--devices 64: 64 CPU processes on", False),
         ("out_dir_holds_a_run", [*data], 2, "holds a run already; continue it with --resume auto, or pass a new "
          "--out-dir", False),
+        ("out_dir_holds_user_run_names", [*data, "--out-dir", str(user_run_names)], 2,
+         f"--out-dir {user_run_names} holds files that are not a run's (config.yaml, logs, model, ...); pass a new or "
+         f"empty --out-dir", False),
+        ("resume_into_user_run_names", [*data, "--resume", "auto", "--out-dir", str(user_run_names)], 2,
+         f"--out-dir {user_run_names} holds files that are not a run's (config.yaml, logs, model, ...)", False),
+        ("resume_alias_bomb", [*data, "--resume", "auto", "--out-dir", str(bomb_run)], 2,
+         f"config file {bomb_run / 'config.yaml'} line 2: not valid YAML (an anchor or alias (& or *); write each "
+         f"value out)", False),
         ("out_dir_holds_user_files", [*data, "--out-dir", str(user_files)], 2,
          f"--out-dir {user_files} holds files that are not a run's (loss.png, model, notes.txt); pass a new or empty "
          f"--out-dir", False),
@@ -193,6 +212,7 @@ def build_cases(tmp: Path) -> tuple[list, dict]:
             args = [*args, "--out-dir", str(out)]
             if "--resume" in args or case_id == "out_dir_holds_a_run":  # a finished run, which must stay as it is
                 (out / "model").mkdir(parents=True)
+                (out / RUN_MARKER).write_text("")
                 (out / "results.json").write_text(json.dumps({"test_acc": 0.875, "case": case_id}, indent=2))
                 (out / "model" / "config.json").write_text("{}\n")
         built.append({"id": case_id, "args": args, "rc": rc, "message": message, "real": real,
@@ -236,7 +256,7 @@ CASE_IDS = ["unknown_strategy", "unknown_precision", "unknown_accelerator", "16_
             "config_not_yaml", "devices_beyond_the_cores", "out_dir_holds_a_run", "val_size_beyond_what_is_carved",
             "test_size_beyond_the_split", "deepspeed_on_cpu", "out_dir_holds_user_files", "resume_into_user_files",
             "diverges_before_its_first_checkpoint",
-            "precision_16_on_cpu"]
+            "precision_16_on_cpu", "out_dir_holds_user_run_names", "resume_into_user_run_names", "resume_alias_bomb"]
 
 
 def test_the_good_run_works(outcomes):
@@ -266,6 +286,7 @@ def test_bad_input_fails_with_one_error_line_and_touches_nothing(outcomes, case_
         after = digest(out_dir)
         for name, sha in before[case_id].items():  # results.json and the exported model stay byte-identical
             assert after.get(name) == sha, f"{name} in --out-dir was changed or removed"
+        assert after == before[case_id], "a file was added to --out-dir"
         assert not (out_dir / "checkpoints").exists()
     else:  # a start that failed leaves no folder behind
         assert not out_dir.exists(), sorted(out_dir.rglob("*"))
@@ -410,11 +431,23 @@ def predict_cases(outcomes, tmp_path):
     (tmp_path / "blank.csv").write_text("text,id\ngreat film,1\n,2\n   ,3\n")
     (tmp_path / "struct.jsonl").write_text('{"text": {"title": "great film"}}\n')
     (tmp_path / "a_file").write_text("mine\n")
-    lacking = tmp_path / "lacking"
-    lacking.mkdir()
-    (lacking / "model").symlink_to(run_dir / "model")
-    (lacking / "config.yaml").write_text("lr: 0.001\n")
-    return run_dir, lacking
+    config = (run_dir / "config.yaml").read_text()
+    folders = {"lacking": "lr: 0.001\n", "max_length_text": config.replace("max_length: 32", "max_length: many"),
+               "pad_zero": config.replace("pad_to_multiple_of: 8", "pad_to_multiple_of: 0"),
+               "text_column_list": config.replace("text_column: text", "text_column: [text, label]"),
+               "alias_bomb": ALIAS_BOMB}
+    for name, text in folders.items():
+        assert text != config, name
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "model").symlink_to(run_dir / "model")
+        (tmp_path / name / "config.yaml").write_text(text)
+    backtracks = shutil.copytree(run_dir, tmp_path / "backtracks", symlinks=False)  # a tokenizer regex that
+    tokenizer = json.loads((backtracks / "model" / "tokenizer.json").read_text())  # backtracks past onig's limit
+    tokenizer["pre_tokenizer"] = {"type": "Split", "pattern": {"Regex": "(a|a?)+$"}, "behavior": "Isolated",
+                                  "invert": False}
+    (backtracks / "model" / "tokenizer.json").write_text(json.dumps(tokenizer))
+    (tmp_path / "long.csv").write_text(f"text\n{'a' * 5000}b\n")
+    return run_dir, tmp_path
 
 
 @pytest.mark.parametrize("case, message", [
@@ -425,17 +458,28 @@ def predict_cases(outcomes, tmp_path):
     ("out_in_a_file", "--out {tmp}/a_file/predictions.csv: {tmp}/a_file is not a folder a file can be written "
                       "into; pass a file path in an existing folder"),
     ("lacking", "the run's config.yaml lacks max_length, pad_to_multiple_of, text_column, text_pair_column: pass "
-                "the folder of a run train.py wrote")])
-def test_predict_bad_input_is_one_line_and_writes_nothing(predict_cases, tmp_path, capsys, case, message):
+                "the folder of a run train.py wrote"),
+    ("max_length_text", "config file {tmp}/max_length_text/config.yaml: argument --max-length: must be a positive "
+                        "integer, got many"),
+    ("pad_zero", "config file {tmp}/pad_zero/config.yaml: argument --pad-to-multiple-of: must be a positive integer, "
+                 "got 0"),
+    ("text_column_list", "config file {tmp}/text_column_list/config.yaml: text_column holds a list; it takes one "
+                         "value"),
+    ("alias_bomb", "config file {tmp}/alias_bomb/config.yaml line 2: not valid YAML (an anchor or alias (& or *); "
+                   "write each value out)"),
+    ("backtracks", "the tokenizer of {tmp}/backtracks/model failed on the rows of {tmp}/long.csv: Onig: Regex search "
+                   "error: retry-limit-in-match over")])
+def test_predict_bad_input_is_one_line_and_writes_nothing(predict_cases, tmp_path, capfd, case, message):
     import predict
 
-    run_dir, lacking = predict_cases
+    run_dir, folders = predict_cases
+    rows = tmp_path / ("long.csv" if case == "backtracks" else "rows.csv")
     argv = {"blank": [run_dir, tmp_path / "blank.csv"], "struct": [run_dir, tmp_path / "struct.jsonl"],
-            "out_in_a_file": [run_dir, tmp_path / "rows.csv", "--out", tmp_path / "a_file" / "predictions.csv"],
-            "lacking": [lacking, tmp_path / "rows.csv"]}[case]
+            "out_in_a_file": [run_dir, tmp_path / "rows.csv", "--out", tmp_path / "a_file" / "predictions.csv"]
+            }.get(case, [folders / case, rows])
     with pytest.raises(SystemExit) as exit_:
         predict.main(list(map(str, argv)))
     assert exit_.value.code == 2
-    assert capsys.readouterr().err.splitlines() == [f"error: {message.format(tmp=tmp_path)}"]
-    assert not (run_dir / "predictions.csv").exists() and not (lacking / "predictions.csv").exists()
+    assert capfd.readouterr().err.splitlines() == [f"error: {message.format(tmp=tmp_path)}"]
+    assert not list(tmp_path.rglob("predictions.csv"))
     assert (tmp_path / "a_file").read_text() == "mine\n"

@@ -100,3 +100,20 @@ def test_a_second_ctrl_c_stops_at_once(tmp_path):
     time.sleep(1)  # rank 1 handles it too (it prints nothing); two signals before a handler runs count once
     os.killpg(jobs.pgid(0), signal.SIGINT)
     assert jobs.statuses(timeout=30) == {0: [-signal.SIGINT] * 2}, jobs.output(0)
+
+
+def test_sigterm_ends_a_run_stuck_between_steps():
+    """A loop that never reaches its next step (a planted record once made one) still ends after SIGTERM: once its
+    grace has passed without a step, as killed by the signal, saying so."""
+    script = ("from fabric_utils.preemption import Preemption\nPreemption(grace_s=2)\nprint('ready', flush=True)\n"
+              "while True:\n    pass\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, env=subprocess_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "ready\n", proc.communicate(timeout=60)
+    start = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGTERM and 2 <= time.monotonic() - start < 30, stderr[-3000:]
+    assert stderr.splitlines() == ["SIGTERM: stopping at the next check with a checkpoint, then exiting 75",
+                                   "no training step within 2 s of the signal: ending without a checkpoint (the last "
+                                   "one stays)"]

@@ -317,6 +317,7 @@ def test_find_resume_checkpoint_trusts_only_complete_folders(tmp_path):
         (ckpt / name).mkdir(parents=True)
         (ckpt / name / "state").write_bytes(b"x")
         (ckpt / name / "rng-rank0.pt").write_bytes(b"x")
+        (ckpt / name / "record.json").write_text('{"world_size": 1, "fingerprint": null}')
         write_manifest(ckpt / name)
     plant_damaged_checkpoints(ckpt)
     said = []

@@ -14,6 +14,7 @@ def write_checkpoint(root, step: int):
     folder.mkdir(parents=True)
     torch.save({"step": step}, folder / "state")  # rank 0 checks its pickles before any rank loads it
     torch.save({}, folder / "rng-rank0.pt")
+    (folder / "record.json").write_text('{"world_size": 2, "fingerprint": null}')
     write_manifest(folder)
     return folder
 

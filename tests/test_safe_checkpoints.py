@@ -210,3 +210,105 @@ def test_the_export_writes_the_stock_classes_only(runs, tmp_path):
     task.export(trained.state_dict(), trained, tokenizer, tmp_path)
     for name in ("config.json", "tokenizer_config.json"):
         assert "auto_map" not in json.loads((tmp_path / name).read_text()), name
+
+
+def _manifest_edit(edit):
+    def plant(folder: Path) -> None:
+        manifest = json.loads((folder / "manifest.json").read_text())
+        (folder / "manifest.json").write_text(edit(manifest) if callable(edit) else edit)
+    return plant
+
+
+def _record(text: str):
+    def plant(folder: Path) -> None:
+        (folder / "record.json").write_text(text)
+        write_manifest(folder)
+    return plant
+
+
+def _symlink_loop(folder: Path) -> None:
+    (folder / "loop").symlink_to("loop")
+    manifest = json.loads((folder / "manifest.json").read_text())
+    (folder / "manifest.json").write_text(json.dumps({**manifest, "loop": {"bytes": 0, "sha256": "0" * 64}}))
+
+
+# planted into a checkpoint's manifest.json or record.json, the latter with a manifest rewritten to match
+PLANTED = {"manifest_list": _manifest_edit("[]"), "manifest_null": _manifest_edit("null"),
+           "size_1e400": _manifest_edit(lambda m: json.dumps(m).replace('"bytes": ', '"bytes": 1e400, "was": ', 1)),
+           "name_nul": _manifest_edit(lambda m: json.dumps({**m, "state\0x": m["state"]})),
+           "name_300": _manifest_edit(lambda m: json.dumps({**m, "x" * 300: m["state"]})),
+           "symlink_loop": _symlink_loop,
+           "record_empty": _record("{}"),
+           "record_rows_negative": _record(json.dumps({"world_size": 2, "fingerprint": {
+               "rows per optimizer step (--batch-size x devices x --grad-accum)": -8}}))}
+
+
+@pytest.mark.parametrize("planted", PLANTED)
+def test_a_planted_manifest_or_record_is_skipped_by_resume_auto_and_refused_by_name(runs, tmp_path, planted):
+    copy = shutil.copytree(runs / "single" / "checkpoints", tmp_path / "checkpoints", symlinks=True)
+    PLANTED[planted](copy / "step-000002")
+    said = []
+    assert find_resume_checkpoint("auto", copy, report=said.append) == copy / "step-000001"
+    assert len(said) == 1 and said[0].startswith(f"skipping damaged checkpoint {copy / 'step-000002'}: "), said
+    with pytest.raises(UserError) as refused:
+        find_resume_checkpoint(str(copy / "step-000002"), copy)
+    assert "is damaged" in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_resume_auto_skips_a_record_that_would_loop_forever(runs, tmp_path):
+    """Rows per step -8 from another world size made --grad-accum -1: a run that never took a step."""
+    out = shutil.copytree(runs / "single", tmp_path / "run")
+    PLANTED["record_rows_negative"](out / "checkpoints" / "step-000002")
+    done = run([sys.executable, "train.py", *TINY, "--out-dir", str(out), "--resume", "auto"], check=False,
+               timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"skipping damaged checkpoint {out / 'checkpoints' / 'step-000002'}: its record.json" in done.stdout
+    assert f"resumed from {out / 'checkpoints' / 'step-000001'} at step 1" in done.stdout
+
+
+def _build_on_a_class() -> bytes:
+    """A pickle that sets ``PosixPath.is_relative_to = PosixPath``, through BUILD on the class itself."""
+    name = b"is_relative_to"
+    posix_path = pickle.GLOBAL + b"pathlib\nPosixPath\n"
+    return (pickle.PROTO + b"\x02" + posix_path + pickle.NONE + pickle.EMPTY_DICT + pickle.BINUNICODE
+            + len(name).to_bytes(4, "little") + name + posix_path + pickle.SETITEM + pickle.TUPLE2 + pickle.BUILD
+            + pickle.STOP)
+
+
+def test_the_unpickler_builds_and_never_changes_a_class(runs, tmp_path):
+    import pathlib
+
+    original = pathlib.PosixPath.is_relative_to
+    folder = shutil.copytree(runs / "fsdp2" / "checkpoints" / "step-000002", tmp_path / "step")
+    (folder / "state" / ".metadata").write_bytes(_build_on_a_class())
+    write_manifest(folder)
+    with pytest.raises(UserError, match=r"its \.metadata is damaged or was not written by train.py \(BUILD on a "):
+        verify(RANK_0, folder)
+    assert pathlib.PosixPath.is_relative_to is original
+
+
+def test_a_dcp_entry_pointing_outside_its_folder_is_refused(runs, tmp_path):
+    """A tensor's entry in .metadata naming another run's .distcp: read under weights_only, but by no manifest's
+    hash."""
+    folder = shutil.copytree(runs / "fsdp2" / "checkpoints" / "step-000002", tmp_path / "step")
+    metadata = pickle.loads((folder / "state" / ".metadata").read_bytes())
+    elsewhere = next((runs / "fsdp2" / "checkpoints" / "step-000001" / "state").glob("*.distcp"))
+    next(iter(metadata.storage_data.values())).relative_path = str(elsewhere)
+    (folder / "state" / ".metadata").write_bytes(pickle.dumps(metadata))
+    write_manifest(folder)
+    with pytest.raises(UserError, match="it points outside its folder"):
+        verify(RANK_0, folder)
+
+
+def test_the_export_replaces_a_link_in_place_of_model_and_leaves_its_target(runs, tmp_path):
+    from fabric_utils.export import export_model
+
+    elsewhere, out = tmp_path / "elsewhere", tmp_path / "run" / "model"
+    elsewhere.mkdir()
+    (elsewhere / "mine.txt").write_text("mine\n")
+    out.parent.mkdir()
+    out.symlink_to(elsewhere)
+    fabric = SimpleNamespace(is_global_zero=True, barrier=lambda: None)
+    export_model(fabric, runs / "single" / "checkpoints" / "best" / "state", out, model=None, fingerprint={})
+    assert not out.is_symlink() and (out / "model.pt").is_file()
+    assert [p.name for p in elsewhere.iterdir()] == ["mine.txt"]

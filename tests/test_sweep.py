@@ -25,7 +25,7 @@ GOOD, BAD = 1e-4, 1.0  # a learning rate of 1 wrecks the model at its first step
 def sweep(study: Path, log: Path) -> subprocess.Popen:
     with open(log, "a") as output:
         return subprocess.Popen([sys.executable, "scripts/sweep.py", "--study-dir", str(study), "--trials", "4",
-                                 "--parallel", "2", "--startup-trials", "1", "--heartbeat", "1",
+                                 "--parallel", "2", "--startup-trials", "1", "--heartbeat", "3",
                                  "--param", "lr=1e-6:1:log", "--", *TRIAL], cwd=REPO, env=subprocess_env(),
                                 stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
 
