@@ -11,6 +11,7 @@ import torch
 
 from fabric_utils import checkpoint, checkpoint_io
 from fabric_utils.checkpoint import save_checkpoint, wait_for_save
+from fabric_utils import resume
 from fabric_utils.resume import find_resume_checkpoint
 from fabric_utils.errors import UserError
 from fabric_utils.launcher import build_fabric
@@ -112,7 +113,7 @@ def test_a_checkpoint_leaves_out_frozen_parameters(tmp_path):
     rebuilt[0].requires_grad_(False)
     state = {"model": rebuilt, "optimizer": torch.optim.AdamW([p for p in rebuilt.parameters() if p.requires_grad]),
              "step": 0}
-    checkpoint.load_checkpoint(fabric, tmp_path / "step-000001", state)
+    resume.load_checkpoint(fabric, tmp_path / "step-000001", state)
     assert state["step"] == 1
     for ours, theirs in zip(rebuilt.state_dict().values(), model.state_dict().values()):
         torch.testing.assert_close(ours, theirs)
