@@ -310,6 +310,7 @@ def test_the_export_replaces_a_link_in_place_of_model_and_leaves_its_target(runs
     out.parent.mkdir()
     out.symlink_to(elsewhere)
     fabric = SimpleNamespace(is_global_zero=True, barrier=lambda: None, strategy=None)  # no engine
-    export_model(fabric, runs / "single" / "checkpoints" / "best" / "state", out, model=None, fingerprint={})
+    export_model(fabric, runs / "single" / "checkpoints" / "best" / "state", out, model=torch.nn.Module(),
+                 fingerprint={})  # a model with no frozen weights to add
     assert not out.is_symlink() and (out / "model.pt").is_file()
     assert [p.name for p in elsewhere.iterdir()] == ["mine.txt"]
