@@ -27,15 +27,16 @@ from fabric_utils.progress import say
 RUN_DIR_ENV = "FABRIC_TEMPLATE_RUN_DIR"
 LOCK_FILE = ".lock"
 KEPT = ("results.json", "checkpoints")  # what makes a failed run's folder worth keeping
+_CHECKED = set()  # folders this process checked (or made) before writing: its trackers then write before the lock
 
 
-def check_run_folder(path: Path, resume: str | None) -> None:
-    """Refuses a folder that holds files but no run (no ``RUN_MARKER``), and, without ``--resume``, a run's that
-    holds checkpoints or results."""
+def check_run_folder(path: Path, resume: str | None, foreign: bool = True) -> None:
+    """Refuses a folder that holds files but no run (no ``RUN_MARKER``; ``foreign``: its files may be a user's), and,
+    without ``--resume``, a run's that holds checkpoints or results."""
     if path.exists() and not path.is_dir():
         raise UserError(f"cannot write to output folder {path} (it is a file); pass a writable --out-dir")
     held = sorted(p.name for p in path.iterdir() if p.name != LOCK_FILE) if path.is_dir() else []
-    if held and RUN_MARKER not in held:
+    if foreign and held and RUN_MARKER not in held:
         raise UserError(f"--out-dir {path} holds files that are not a run's ({', '.join(held[:3])}"
                         f"{', ...' if len(held) > 3 else ''}); pass a new or empty --out-dir")
     if resume is None and any(name in KEPT for name in held):
@@ -89,7 +90,10 @@ def proposed_run_folder(out_dir: str | None, resume: str | None, temporary: bool
         made = os.environ[RUN_DIR_ENV] = tempfile.mkdtemp(prefix="fabric-template-check-")
     if _first_process() and (given := out_dir or os.environ.get(RUN_DIR_ENV)):
         check_run_folder(Path(given), resume)  # early, before the processes start
+        _CHECKED.add(Path(given).resolve())
     path, created = claim_out_dir(out_dir)
+    if created:
+        _CHECKED.add(path.resolve())
     try:
         yield path
     finally:
@@ -111,7 +115,7 @@ def locked_run_folder(fabric, proposed: Path, resume: str | None):
         lock, refused = _lock(path)
         if lock is not None:
             try:
-                check_run_folder(out_dir, resume)
+                check_run_folder(out_dir, resume, foreign=out_dir.resolve() not in _CHECKED)
                 before = set(os.listdir(out_dir))
                 if RUN_MARKER not in before:
                     (out_dir / RUN_MARKER).write_text("a fabric-template run's folder: train.py --resume auto "

@@ -122,7 +122,7 @@ def _run_script(argv: list, env: dict, stdout: str, stderr: str, cwd: str) -> No
         os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND), fd)
     sys.argv = [os.fspath(arg) for arg in argv]
     try:
-        runpy.run_path(argv[0], run_name="__main__")
+        runpy.run_path(sys.argv[0], run_name="__main__")  # a str: runpy makes it sys.argv[0]
     finally:
         atexit._run_exitfuncs()  # an interpreter runs them at exit; multiprocessing's children do not
 
