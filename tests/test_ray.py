@@ -5,8 +5,10 @@ FailureConfig restarts with the whole group, continuing from the run folder's ne
 
 import json
 import os
+import shutil
 import signal
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -26,17 +28,19 @@ COMPARED = ("val_loss", "val_acc", "test_loss", "test_acc")
 def ray_cluster(cluster, tmp_path_factory):
     """A Ray head on node1 and a second Ray node on node2, one CPU each; (the head's address, each node's env)."""
     root = tmp_path_factory.mktemp("ray")
+    sessions = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # Ray's sockets live there: a path of at most 107 bytes
     env = node_env(RAY_DISABLE_USAGE_STATS="1", RAY_TRAIN_ENABLE_STATE_TRACKING="0")
     head = f"{cluster.addresses[0]}:6379"
     common = ["--block", "--num-cpus", "1", "--num-gpus", "0", "--disable-usage-stats"]
     cluster.start(0, [RAY, "start", "--head", "--port", "6379", "--node-ip-address", cluster.addresses[0],
-                      "--include-dashboard", "false", "--temp-dir", str(root / "tmp"), *common], env(0),
+                      "--include-dashboard", "false", "--temp-dir", sessions, *common], env(0),
                   root / "node1-ray.log")
     cluster.start(1, [RAY, "start", "--address", head, "--node-ip-address", cluster.addresses[1], *common], env(1),
                   root / "node2-ray.log")
     yield head, env
     for node in (1, 0):
         cluster.kill_node(node)
+    shutil.rmtree(sessions, ignore_errors=True)
 
 
 def ray_train(cluster, head, env, root: Path, out: Path) -> Nodes:

@@ -17,11 +17,12 @@ from torchmetrics import MetricCollection
 from torchmetrics.regression import MeanSquaredError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from fabric_utils.checkpoint import agreed_resume_checkpoint, load_checkpoint, save_checkpoint  # noqa: E402
+from fabric_utils.checkpoint import save_checkpoint  # noqa: E402
 from fabric_utils.launcher import build_fabric, end_job, launch  # noqa: E402
 from fabric_utils.loggers import make_loggers  # noqa: E402
 from fabric_utils.optim import build_optimizer  # noqa: E402
 from fabric_utils.progress import Progress, Throughput  # noqa: E402
+from fabric_utils.resume import agreed_resume_checkpoint, load_checkpoint  # noqa: E402
 from fabric_utils.flops import training_flops_fn  # noqa: E402
 
 

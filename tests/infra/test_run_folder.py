@@ -17,8 +17,18 @@ import pytest
 import task
 from conftest import Job, digest, popen, run, subprocess_env
 from fabric_utils.errors import UserError
+from lightning.fabric.utilities.rank_zero import rank_zero_only
+
 from fabric_utils.run_folder import RUN_DIR_ENV, RUN_MARKER, claim_out_dir, locked_run_folder, proposed_run_folder
 from train import parse_args
+
+
+@pytest.fixture(autouse=True)
+def first_process(monkeypatch):
+    """This test's process as rank 0 of node 0, with no run folder handed down: tests before it may leave either."""
+    monkeypatch.setattr(rank_zero_only, "rank", 0)
+    monkeypatch.delenv("NODE_RANK", raising=False)
+    monkeypatch.delenv(RUN_DIR_ENV, raising=False)
 
 
 def test_a_second_run_on_a_folder_in_use_is_refused_with_one_line(tmp_path):
