@@ -15,6 +15,7 @@ from torchmetrics import MetricCollection
 from torchmetrics.regression import MeanSquaredError
 
 from conftest import SMALL_DEMO, build_fabric_from_flags, logged, run, shimmed, train
+from fabric_utils.args import RUN_MARKER
 from fabric_utils.launcher import warn_if_updates_vanish
 from fabric_utils.progress import Progress
 
@@ -75,6 +76,7 @@ def test_fp16_resume_continues_with_the_scale_the_run_had(overflowing, fp16_cpu,
     # the resumed run starts from a copy of the uninterrupted run's checkpoint at RESUME_AT
     resumed_dir = tmp_path / "resumed" / "checkpoints" / f"step-{RESUME_AT:06d}"
     shutil.copytree(full_dir / "checkpoints" / f"step-{RESUME_AT:06d}", resumed_dir)
+    shutil.copy(full_dir / RUN_MARKER, tmp_path / "resumed")  # a run's folder, as a copy of the run would be
     resumed = train([*OVERFLOWING, "--resume", resumed_dir], tmp_path / "resumed")
 
     ends = [torch.load(run / "checkpoints" / f"step-{STEPS:06d}" / "state", weights_only=True)
