@@ -5,8 +5,8 @@
 
 Each trial runs the command after ``--`` with its flags (``--lr ... --out-dir STUDY/trial-N --resume auto``), so every
 rank of a multi-process trial reads the same values: ``python train.py --devices 2``, ``fabric run``, ``srun``,
-torchrun or scripts/ray_train.py. The study lives in STUDY/study.db (SQLite, with heartbeats): the same command
-continues a killed sweep, rerunning its interrupted trials in their own folders from their checkpoints. Trials are
+torchrun or scripts/ray_train.py. The study lives in STUDY/study.db (SQLite), held by one sweep at a time: the same
+command continues a killed sweep, rerunning its interrupted trials in their own folders from their checkpoints. Trials are
 pruned on the validation metric each writes to its metrics.csv, by killing their process group. Rerun a trial with
 ``--config STUDY/trial-N/config.yaml``; STUDY/trials.csv and STUDY/trials.png hold the table and the curves.
 """
@@ -28,8 +28,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # fabric_utils, when run as scripts/sweep.py
 
 from fabric_utils.errors import UserError, exit_on_user_error  # noqa: E402
+from fabric_utils.run_folder import LOCK_FILE  # noqa: E402
 
 POLL_S = 1.0  # how often a running trial's metrics.csv is read
+RETRY_WAIT_S = 300  # the most an interrupted trial's rerun waits for the killed sweep's ranks to let go of its folder
 # a trial's command is exec'd by this, which asks the kernel to SIGKILL it when the sweep's thread that started it dies
 # (kill -9 of the sweep too); its other processes end as any run's do when its first process is gone
 DIE_WITH_SWEEP = ("import ctypes, os, sys; ctypes.CDLL(None).prctl(1, 9)\n"  # PR_SET_PDEATHSIG, SIGKILL
@@ -53,9 +55,6 @@ def parse_args(argv=None):
                         help="no pruning before this step: early validation losses barely differ")
     parser.add_argument("--seed", type=int, default=0, help="the sampler's, offset by the trials the study holds, so "
                                                              "a continued sweep draws new values")
-    parser.add_argument("--heartbeat", type=int, default=10,
-                        help="seconds between a running trial's heartbeats; a continued sweep reruns those whose "
-                             "last is two heartbeats old")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the launch command without trial flags")
     args = parser.parse_args(argv)
     args.command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -150,6 +149,7 @@ class TrialFailed(Exception):
 
 
 def make_objective(args, study_dir: Path, trials: Trials, slots: queue.Queue):
+    import filelock
     import optuna
     from lightning.fabric.plugins.environments.lightning import find_free_network_port
     from optuna.storages import RetryHeartbeatStaleTrialCallback
@@ -163,6 +163,13 @@ def make_objective(args, study_dir: Path, trials: Trials, slots: queue.Queue):
         trial.set_user_attr("folder", str(folder))
         flags = [word for name, value in values.items() for word in (f"--{name.replace('_', '-')}", str(value))]
         command = [*args.command, *flags, "--out-dir", str(folder), "--resume", "auto"]
+        if retried and folder.is_dir():  # the killed sweep's ranks may hold its folder a moment longer
+            try:
+                with filelock.FileLock(folder / LOCK_FILE, timeout=RETRY_WAIT_S, fallback_to_soft=False):
+                    pass
+            except filelock.Timeout:
+                raise TrialFailed(f"trial {trial.number}: {folder} is still held by a run after {RETRY_WAIT_S} s; "
+                                  f"end it, then run the sweep again") from None
         slot = slots.get()
         port = str(find_free_network_port())  # trials at once: a port each (python and fabric run's, torchrun's)
         env = {**os.environ, "MASTER_PORT": port, "PET_MASTER_PORT": port}
@@ -207,7 +214,7 @@ def main(argv=None) -> None:
     import filelock
     import optuna
 
-    warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)  # heartbeats and retries: stable enough
+    warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)  # retries: stable enough
     from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
     from optuna.study import MaxTrialsCallback
     from optuna.trial import TrialState
@@ -221,19 +228,19 @@ def main(argv=None) -> None:
         raise UserError(f"another sweep is running in --study-dir {study_dir}; let it finish, or pass another "
                         f"--study-dir") from None
     storage = RDBStorage(f"sqlite:///{study_dir / 'study.db'}",
-                         engine_kwargs={"connect_args": {"timeout": 60}},  # trials at once write to one file
-                         heartbeat_interval=args.heartbeat, grace_period=2 * args.heartbeat,
-                         heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=3))
+                         engine_kwargs={"connect_args": {"timeout": 60}})  # trials at once write to one file
     study = optuna.create_study(study_name="sweep", storage=storage, direction=args.direction, load_if_exists=True,
                                 pruner=optuna.pruners.MedianPruner(n_startup_trials=args.startup_trials,
                                                                    n_warmup_steps=args.prune_from_step))
     held = study.trials
     study.sampler = optuna.samplers.TPESampler(seed=args.seed + len(held))  # a continued sweep draws anew
-    if any(trial.state == TrialState.RUNNING for trial in held):  # a killed sweep's (this one holds the lock)
-        print(f"continuing a killed sweep: its running trials rerun once their heartbeat is {2 * args.heartbeat} s "
-              f"old", flush=True)
-        time.sleep(2 * args.heartbeat + 1)
-        optuna.storages.fail_stale_trials(study)
+    # this sweep holds the lock, so a running trial is a killed sweep's: it fails and reruns (at most 3 times), in its
+    # folder from its checkpoint; no heartbeat, whose lateness under load would fail a live trial
+    for trial in held:
+        if trial.state == TrialState.RUNNING:
+            print(f"continuing a killed sweep: trial {trial.number} reruns", flush=True)
+            storage.set_trial_state_values(trial._trial_id, TrialState.FAIL)
+            RetryHeartbeatStaleTrialCallback(max_retry=3)(study, storage.get_trial(trial._trial_id))
     finished = (TrialState.COMPLETE, TrialState.PRUNED)
     left = args.trials - sum(trial.state in finished for trial in study.trials)
     trials, slots = Trials(), queue.Queue()

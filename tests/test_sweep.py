@@ -25,7 +25,7 @@ GOOD, BAD = 1e-4, 1.0  # a learning rate of 1 wrecks the model at its first step
 def sweep(study: Path, log: Path) -> subprocess.Popen:
     with open(log, "a") as output:
         return subprocess.Popen([sys.executable, "scripts/sweep.py", "--study-dir", str(study), "--trials", "4",
-                                 "--parallel", "2", "--startup-trials", "1", "--heartbeat", "3",
+                                 "--parallel", "2", "--startup-trials", "1",
                                  "--param", "lr=1e-6:1:log", "--", *TRIAL], cwd=REPO, env=subprocess_env(),
                                 stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -107,7 +107,7 @@ pathlib.Path(args.out_dir, "results.json").write_text(json.dumps({"val_loss": ar
 def test_a_continued_sweep_draws_values_it_has_not_drawn(tmp_path):
     """The sampler's seed is offset by the trials the study holds: with one seed alone, the continued sweep's first
     draws would repeat the first sweep's."""
-    command = ["--param", "lr=1e-6:1:log", "--heartbeat", "1", "--", sys.executable, "-c", FAKE_TRIAL]
+    command = ["--param", "lr=1e-6:1:log", "--", sys.executable, "-c", FAKE_TRIAL]
     for trials in ("2", "4"):
         done = subprocess.run([sys.executable, "scripts/sweep.py", "--study-dir", str(tmp_path), "--trials", trials,
                                *command], cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=300)
