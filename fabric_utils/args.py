@@ -13,11 +13,11 @@ from fabric_utils.errors import UserError
 
 # Fabric's names written out, as Lightning's import takes seconds; strategies that rerun this script (not *_spawn)
 FSDP2 = "fsdp2"  # PyTorch's fully_shard, through Fabric's ModelParallelStrategy; not in its registry
-FSDP1 = ("fsdp", "fsdp_cpu_offload")  # torch's FullyShardedDataParallel (fsdp1.py)
+FSDP1, FSDP1_OFFLOAD = "fsdp", "fsdp_cpu_offload"  # Fabric's names for torch's FSDP1: run as fsdp2, or refused
 ACCELERATORS = ("auto", "cpu", "cuda", "mps", "tpu")
 STRATEGIES = ("auto", "ddp", "ddp_find_unused_parameters_true", "dp", "deepspeed", "deepspeed_stage_1",
               "deepspeed_stage_1_offload", "deepspeed_stage_2", "deepspeed_stage_2_offload", "deepspeed_stage_3",
-              "deepspeed_stage_3_offload", "deepspeed_stage_3_offload_nvme", *FSDP1, "single_xla",
+              "deepspeed_stage_3_offload", "deepspeed_stage_3_offload_nvme", FSDP1, FSDP1_OFFLOAD, "single_xla",
               "single_tpu", FSDP2)
 FP8 = "fp8-mixed"  # torchao's float8 matrix products in bf16-mixed autocast (fp8.py); not Fabric's
 PRECISIONS = ("auto", "transformer-engine", "transformer-engine-float16", "16-true", "16-mixed", "bf16-true",

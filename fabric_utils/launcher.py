@@ -20,9 +20,10 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
 from fabric_utils import strategy as strategy_in_use
-from fabric_utils.args import FP8, FSDP1, FSDP2, LAUNCH_DEFAULTS, launched_by_cli
+from fabric_utils.args import FP8, FSDP1, FSDP1_OFFLOAD, FSDP2, LAUNCH_DEFAULTS, launched_by_cli
 from fabric_utils.errors import PeerLost, UserError, first_line, lost_a_peer
 from fabric_utils.private import cluster_environment
+from fabric_utils.progress import say
 from fabric_utils.sharding import mixed_precision_policy, shard_blocks
 
 
@@ -85,6 +86,13 @@ def resolve_launch_settings(flags: dict) -> dict:
     settings = {name: from_cli.get(name, default if flags.get(name) is None else flags[name])
                 for name, default in LAUNCH_DEFAULTS.items()}
     settings["num_nodes"] = int(settings["num_nodes"])
+    if settings["strategy"] == FSDP1_OFFLOAD:
+        raise UserError(f"--strategy {FSDP1_OFFLOAD} ran torch's FSDP1, which this template no longer carries: use "
+                        f"--strategy {FSDP2} (each device holds a share of the model), or a ZeRO offload strategy "
+                        f"(--help lists them) to keep the optimizer state in CPU memory")
+    if settings["strategy"] == FSDP1:  # fully_shard shards as FSDP1 did (FULL_SHARD)
+        say(f"--strategy {FSDP1} runs as --strategy {FSDP2} (torch's fully_shard, which replaces FSDP1)")
+        settings["strategy"] = FSDP2
     if settings["precision"] == "auto":
         settings["precision"] = auto_precision(settings["accelerator"], settings["strategy"])
     if settings["precision"] == FP8:  # Fabric runs the layers left in bf16 autocast
@@ -164,15 +172,12 @@ def build_fabric(accelerator=None, devices=None, num_nodes=None, strategy=None, 
 
 
 def build_strategy(settings: dict, grad_checkpointing: bool):
-    """The strategy's name, or for fsdp and fsdp2 one that shards, and recomputes, each block as its own unit."""
+    """The strategy's name, or for fsdp2 one that shards, and recomputes, each block as its own unit."""
     name = settings["strategy"]
     if name == FSDP2:
         return ModelParallelStrategy(partial(shard_blocks, grad_checkpointing=grad_checkpointing,
                                              mp_policy=mixed_precision_policy(settings["precision"])),
                                      data_parallel_size=count_processes(settings), tensor_parallel_size=1)
-    if name in FSDP1:
-        from fabric_utils.fsdp1 import fsdp_strategy
-        return fsdp_strategy(name, grad_checkpointing)
     return name
 
 

@@ -68,8 +68,8 @@ def materialize(module: nn.Module, device: torch.device, recurse: bool = True) -
             buffer.copy_(buffers[name])
 
 
-# what wrappers (Fabric, FSDP, activation checkpointing, torch.compile) insert into a parameter's name
-WRAPPER_NAME_PARTS = frozenset({"_forward_module", "_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
+# what wrappers (Fabric, activation checkpointing, torch.compile) insert into a parameter's name
+WRAPPER_NAME_PARTS = frozenset({"_forward_module", "_checkpoint_wrapped_module", "_orig_mod"})
 
 
 def unwrapped_name(name: str) -> str:

@@ -1,8 +1,7 @@
 """What the strategy in use can do, answered in one place: the only module that looks at a strategy's type."""
 
 from lightning.fabric.plugins.precision import DeepSpeedPrecision
-from lightning.fabric.strategies import (DDPStrategy, DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy,
-                                         SingleDeviceStrategy)
+from lightning.fabric.strategies import DDPStrategy, DeepSpeedStrategy, ModelParallelStrategy, SingleDeviceStrategy
 
 from fabric_utils.args import FP8
 
@@ -42,8 +41,8 @@ def shards_at_build(fabric) -> bool:
 
 
 def checkpoints_blocks(fabric) -> bool:
-    """fsdp and fsdp2 recompute (``--grad-checkpointing``) the blocks they shard; elsewhere the model does."""
-    return isinstance(fabric.strategy, (FSDPStrategy, ModelParallelStrategy))
+    """fsdp2 recomputes (``--grad-checkpointing``) the blocks it shards; elsewhere the model does."""
+    return uses_fsdp2(fabric)
 
 
 def builds_optimizer_after_setup(fabric) -> bool:
@@ -78,7 +77,7 @@ def keeps_fp32_weights(plugin) -> bool:
 
 
 def reshards_checkpoints(fabric) -> bool:
-    """fsdp2's sharded checkpoints load on any number of processes; fsdp's and DeepSpeed's do not."""
+    """fsdp2's sharded checkpoints load on any number of processes; DeepSpeed's do not."""
     return uses_fsdp2(fabric)
 
 
