@@ -143,3 +143,14 @@ def cpu_adam():
     from deepspeed.ops.adam import DeepSpeedCPUAdam
 
     return DeepSpeedCPUAdam
+
+
+def pickled_classes() -> list:
+    """What DeepSpeed's model and ZeRO files hold beside tensors, for safe_pickle.py's allow-list."""
+    try:
+        from deepspeed.runtime.fp16.loss_scaler import LossScaler, DynamicLossScaler
+        from deepspeed.runtime.zero.config import ZeroStageEnum
+        from deepspeed.utils.tensor_fragment import fragment_address
+    except ImportError:  # then no DeepSpeed checkpoint can be resumed anyway
+        return []
+    return [ZeroStageEnum, fragment_address, LossScaler, DynamicLossScaler]

@@ -1,5 +1,8 @@
 """What the strategy in use can do, answered in one place: the only module that looks at a strategy's type."""
 
+import logging
+import re
+
 from lightning.fabric.plugins.precision import DeepSpeedPrecision
 from lightning.fabric.strategies import DDPStrategy, DeepSpeedStrategy, ModelParallelStrategy, SingleDeviceStrategy
 
@@ -16,6 +19,20 @@ def engine(fabric):
         return None
     from fabric_utils import deepspeed_engine
     return deepspeed_engine
+
+
+def silence_engines() -> None:
+    """transformers imports DeepSpeed where accelerate is installed, whatever the strategy: its accelerator guess is
+    noise."""
+    logging.getLogger("DeepSpeed").addFilter(lambda record: "Setting accelerator to" not in record.getMessage())
+
+
+def pickled_classes(file_name: str) -> list:
+    """What an engine's checkpoint file holds beside tensors (DeepSpeed's model and ZeRO files), for safe_pickle.py."""
+    if not re.fullmatch(r".*_(model|optim)_states\.pt", file_name):
+        return []
+    from fabric_utils.deepspeed_engine import pickled_classes
+    return pickled_classes()
 
 
 def libraries(fabric) -> tuple[str, ...]:
