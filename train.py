@@ -149,13 +149,12 @@ def build(fabric, args, spec: TaskSpec, loss_fn, fresh: bool):
         model = compiling.compile_model(model, args.compile_mode, cuda_graphs=strategy.fits_cuda_graphs(fabric))
     # fp32 weights to update; DeepSpeed compiles in its engine
     model, compiled = sharding.prepare_for_setup(fabric, model)
-    shapes = sharding.full_shapes(model)  # before FSDP flattens them: AdamW decays only the matrices
 
     # at rate 0: the schedule sets the peak once the run's length, on which the default depends, is known
     def new_optimizer(module):
         return optim.build_optimizer(module, name=args.optimizer, lr=0.0, weight_decay=args.weight_decay,
                                      device=fabric.device, cpu_adam=strategy.cpu_optimizer(fabric),
-                                     loss_scaling=strategy.scales_loss(fabric), shapes=shapes)
+                                     loss_scaling=strategy.scales_loss(fabric))
 
     if strategy.builds_optimizer_after_setup(fabric):  # on what set-up made: FSDP's shards, transformer-engine's layers
         model = sharding.cast_shards(fabric, fabric.setup_module(model))                       # Fabric step 3
