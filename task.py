@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fabric_utils.args import dropout, non_negative_int, positive_float, positive_int, probability
-from fabric_utils.errors import UserError, first_line, held_stderr
+from fabric_utils.errors import UserError, first_line
 from fabric_utils.task_spec import RowLengths, TaskSpec
 
 # --lr's default, by the model's width (hidden size), as each entry is the widest model it covers: its peak for a
@@ -560,58 +560,12 @@ def padded_length(batch: dict) -> int:
 
 
 # ---- predictions on new rows: predict.py --------------------------------------------------------------------------
-PREDICT_FLAGS = {"text_column", "text_pair_column", "max_length", "pad_to_multiple_of"}  # how the run read its texts
-
-
 def predict(folder: Path, source: Path, flags: dict, batch_size: int) -> dict[str, list]:
-    """The exported model's (``folder``) predictions for each row of the file ``source``, whose texts are read as the
-    run that trained the model read its data (``flags``: its config.yaml): ``ClassifierObjective.table``'s columns
-    and each row's index."""
-    import datasets
-    import torch
-    from tqdm import tqdm
-    from transformers import AutoModelForSequenceClassification
+    """The exported model's (``folder``) predictions for each row of the file ``source``, read as the run that trained
+    it read its data (``flags``: its config.yaml): data/predict.py, imported only by predict.py."""
+    from data.predict import predict_file
 
-    from data.sources import check_texts, read_rows
-    from data.tokenize import make_collator, tokenize_splits
-
-    if lacking := sorted(PREDICT_FLAGS - flags.keys()):
-        raise UserError(f"the run's config.yaml lacks {', '.join(lacking)}: pass the folder of a run train.py wrote")
-    quiet_libraries(bars=False, logs=False)
-    rows = read_rows(source)
-    texts = [column for column in (flags["text_column"], flags["text_pair_column"]) if column]
-    missing = [column for column in texts if column not in rows.column_names]
-    if missing:
-        raise UserError(f"{source} has no column {missing[0]!r} (its columns: {rows.column_names}); the model was "
-                        f"trained on {' and '.join(texts)}")
-    check_texts(rows, source, texts)
-    tokenizer = load_tokenizer(str(folder))
-    try:  # the folder's own code never runs, and its weights are read from safetensors only (no pickle)
-        model = AutoModelForSequenceClassification.from_pretrained(folder, trust_remote_code=False,
-                                                                   use_safetensors=True).eval()
-    except OSError as err:
-        raise UserError(f"cannot load the exported model in {folder}: {first_line(err)} (predict.py reads "
-                        f"the model.safetensors train.py exports)") from err
-    problem_type = {hf: name for name, hf in HF_PROBLEM_TYPES.items()}[model.config.problem_type]
-    objective = ClassifierObjective(problem_type, num_labels=model.config.num_labels,
-                                    label_names=[model.config.id2label[i] for i in range(model.config.num_labels)])
-    try:
-        with held_stderr():
-            inputs = tokenize_splits(datasets.DatasetDict(rows=rows.select_columns(texts)), tokenizer,
-                                     flags["text_column"], flags["max_length"], flags["text_pair_column"])
-    except (KeyboardInterrupt, SystemExit):
-        raise
-    except BaseException as err:  # a tokenizer's panic is a BaseException
-        raise UserError(f"the tokenizer of {folder} failed on the rows of {source}: {first_line(err)[:200]}") from err
-    inputs = inputs["rows"].remove_columns("length")
-    collate = make_collator(tokenizer, False, flags["max_length"], flags["pad_to_multiple_of"])
-    predicted = []
-    batches = torch.utils.data.DataLoader(inputs, batch_size=batch_size, collate_fn=collate)
-    with torch.no_grad():
-        for batch in tqdm(batches, desc="predicting", unit="batch", disable=None):  # a bar on a terminal only
-            predicted.append(objective.predict(objective.forward(model, batch), batch))
-    return objective.table({"row": torch.arange(len(rows)),
-                            **{name: torch.cat([b[name] for b in predicted]) for name in predicted[0]}})
+    return predict_file(folder, source, flags, batch_size)
 
 
 # ---- export ----------------------------------------------------------------------------------------------------------

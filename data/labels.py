@@ -7,12 +7,11 @@
 
 Reading a split's label column gives one arrow array of one type, null where a row has no usable label, and a row
 mask per reason why. Columns whose arrow type already fits are read with arrow compute; mixed JSON values, delimited
-strings and columns of another type are read value by value, which is still fast and names every bad cell.
+strings and columns of another type are read value by value (data/cells.py), which is still fast and names every
+bad cell.
 """
 
-import math
 import re
-from collections import Counter
 
 import datasets
 import numpy as np
@@ -28,7 +27,6 @@ EXPECTED = {("single_label", "int"): "integer class ids", ("single_label", "str"
 TARGET_TYPES = {("single_label", "int"): pa.int64(), ("single_label", "str"): pa.string(),
                 ("multi_label", "int"): pa.list_(pa.int64()), ("multi_label", "str"): pa.list_(pa.string()),
                 ("regression", None): pa.float64()}
-WRONG = object()  # a cell that holds a value of the wrong kind
 
 
 def resolve_problem_type(train: datasets.Dataset, column: str, problem_type: str,
@@ -83,7 +81,8 @@ def read_labels(split: datasets.Dataset, column: str, problem_type: str, kind: s
     read = None if isinstance(split.features[column], datasets.Json) else _read_arrow(
         split.data.column(column).combine_chunks(), problem_type, kind)
     if read is None:  # mixed JSON values, delimited strings, or a type that needs converting: value by value
-        read = _read_python(split[column][:], problem_type, kind, separator)
+        from data.cells import read_cells
+        read = read_cells(split[column][:], problem_type, kind, separator)
     values, missing, wrong = read
     wrong = _mask(wrong, len(values))
     problems = {MISSING: _mask(missing, len(values))}
@@ -149,9 +148,8 @@ def is_blank(strings: pa.Array) -> pa.Array:
 def _train_kinds(train: datasets.Dataset, column: str) -> tuple[str, str | None]:
     """The most common kind of the train split's labels (int, float, str, list, other), and of list elements."""
     if isinstance(train.features[column], datasets.Json):
-        values = [v for v in train[column][:] if v is not None]
-        elements = [e for v in values if isinstance(v, list) for e in v]
-        return _most_common(map(_kind, values)), _most_common(map(_kind, elements))
+        from data.cells import json_kinds
+        return json_kinds(train[column][:])
     arrow_type = train.data.column(column).type
     if pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type):
         return "list", None if pa.types.is_null(arrow_type.value_type) else _arrow_kind(arrow_type.value_type)
@@ -184,54 +182,6 @@ def _read_arrow(column: pa.Array, problem_type: str, kind: str | None):
     return None
 
 
-def _read_python(cells, problem_type: str, kind: str | None, separator: str | None):
-    """(values, missing, wrong) value by value: for mixed JSON values and strings to split or to parse."""
-    convert = {("single_label", "int"): _class_id, ("single_label", "str"): _class_name,
-               ("regression", None): _number}.get((problem_type, kind))
-    if problem_type == "multi_label":
-        def convert(cell):
-            if isinstance(cell, str) and separator:
-                return [part.strip() for part in cell.split(separator) if part.strip()]
-            if not isinstance(cell, list):
-                return WRONG
-            elements = [(_class_id if kind == "int" else _class_name)(e) for e in cell]
-            return WRONG if any(e is WRONG for e in elements) else elements
-    values, missing, wrong = [], [], []
-    for cell in cells:
-        value = None if cell is None or isinstance(cell, str) and not cell.strip() else convert(cell)
-        missing.append(value is None)
-        wrong.append(value is WRONG)
-        values.append(None if value is WRONG else value)
-    return pa.array(values, TARGET_TYPES[problem_type, kind]), pa.array(missing), pa.array(wrong)
-
-
-def _class_id(cell):
-    return int(cell) if _kind(cell) == "int" else WRONG
-
-
-def _class_name(cell):
-    return cell if isinstance(cell, str) else WRONG
-
-
-def _number(cell):
-    """A finite number; numeric strings count, as a CSV reads a numeric column with one stray word as strings."""
-    if isinstance(cell, bool) or not isinstance(cell, (int, float, str)):
-        return WRONG
-    try:
-        value = float(cell)
-    except ValueError:
-        return WRONG
-    return value if math.isfinite(value) else WRONG
-
-
-def _kind(value) -> str:
-    if isinstance(value, bool):
-        return "other"
-    if isinstance(value, int) or isinstance(value, float) and value.is_integer():
-        return "int"
-    return {float: "float", str: "str", list: "list"}.get(type(value), "other")
-
-
 def _arrow_kind(arrow_type) -> str:
     if pa.types.is_integer(arrow_type):
         return "int"
@@ -240,11 +190,6 @@ def _arrow_kind(arrow_type) -> str:
     if pa.types.is_string(arrow_type) or pa.types.is_large_string(arrow_type):
         return "str"
     return "other"
-
-
-def _most_common(kinds) -> str | None:
-    counts = Counter(kinds).most_common(1)
-    return counts[0][0] if counts else None
 
 
 def _all_whole(column: pa.ChunkedArray) -> bool:

@@ -7,7 +7,6 @@ with one line that names the split, the column and the first rows (or, with ``dr
 out). Splits the source lacks are then carved from train, deterministically by seed.
 """
 
-import csv
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,7 +33,7 @@ class LabelledSplits:
 
     def drop_report(self) -> list[str]:
         """One line per split that lost rows to ``drop_invalid``, for the first process to print."""
-        return [f"--drop-invalid left out {_rows(sum(why.values()))} of the {split} split: "
+        return [f"--drop-invalid left out {rows_count(sum(why.values()))} of the {split} split: "
                 + ", ".join(f"{count} with {reason}" for reason, count in why.items())
                 for split, why in self.dropped.items()]
 
@@ -82,7 +81,7 @@ def _check_and_encode(raw: datasets.DatasetDict, files: dict[str, Path], texts: 
         labels[name], problems = read_labels(split, label_column, problem_type, kind, separator)
         if name != "train":
             problems.update(unseen_labels(labels[name], labels["train"]))
-        problems = {**{f"missing or empty text in column {column!r}": _blank_text(split, column, flag)
+        problems = {**{f"missing or empty text in column {column!r}": blank_text(split, column, flag)
                        for column, flag in texts.items()},
                     **{f"{why} in column {label_column!r}": rows for why, rows in problems.items()}}
         keep, why = _keep_rows(name, len(split), problems, files.get(name), drop_invalid)
@@ -98,7 +97,7 @@ def _check_and_encode(raw: datasets.DatasetDict, files: dict[str, Path], texts: 
     return encoded, names, dropped
 
 
-def _blank_text(split: datasets.Dataset, column: str, flag: str) -> np.ndarray:
+def blank_text(split: datasets.Dataset, column: str, flag: str) -> np.ndarray:
     text = split.data.column(column)
     if text.null_count == len(text):  # a CSV column with no text at all reads as numbers
         return np.ones(len(text), dtype=bool)
@@ -116,9 +115,10 @@ def _keep_rows(split: str, num_rows: int, problems: dict[str, np.ndarray], path:
         if not rows.any():
             continue
         if not drop_invalid:
-            where = np.flatnonzero(rows)
-            raise UserError(f"the {split} split has {_rows(len(where))} with {why}, first at "
-                            f"{_where(where[:5].tolist(), path)}; fix the data or pass --drop-invalid to leave "
+            from data.cells import where_rows
+            found = np.flatnonzero(rows)
+            raise UserError(f"the {split} split has {rows_count(len(found))} with {why}, first at "
+                            f"{where_rows(found[:5].tolist(), path)}; fix the data or pass --drop-invalid to leave "
                             f"such rows out")
         if (rows & ~bad).any():
             dropped[why] = int((rows & ~bad).sum())
@@ -128,56 +128,15 @@ def _keep_rows(split: str, num_rows: int, problems: dict[str, np.ndarray], path:
     return ~bad, dropped
 
 
-def _where(rows: list[int], path: Path | None) -> str:
-    """Where rows are, as a user finds them: lines of a CSV file (what an editor shows), else data rows."""
-    plural = "s" * (len(rows) > 1)
-    if path is not None and path.suffix == ".csv":
-        return f"line{plural} {', '.join(map(str, _csv_lines(path, rows)))} of {path}"
-    return f"row{plural} {', '.join(map(str, rows))}" + (f" of {path}" if path else "") + " (counted from 0)"
-
-
-def _csv_lines(path: Path, rows: list[int]) -> list[int]:
-    """The file line where each data row (counted from 0) starts. Read as pandas reads it: blank lines are
-    skipped, the first record is the header, and a quoted cell may span several lines."""
-    starts, row, line = {}, -1, 1
-    with open(path, newline="", encoding="utf-8") as f:
-        reader = csv.reader(f)
-        for record in reader:
-            if record:
-                starts[row] = line
-                row += 1
-                if row > max(rows):
-                    break
-            line = reader.line_num + 1
-    return [starts[r] for r in rows]
-
-
-def _rows(count: int) -> str:
+def rows_count(count: int) -> str:
     return f"{count} row{'s' * (count != 1)}"
-
-
-def read_rows(path: Path) -> datasets.Dataset:
-    """One local file's rows, whatever columns it has: rows to predict."""
-    path = Path(path).expanduser()
-    if not path.is_file():
-        raise UserError(f"{path} is not a file: pass a {', '.join(sorted(LOCAL_FORMATS))} file")
-    return _load_local({"rows": path})["rows"]
-
-
-def check_texts(rows: datasets.Dataset, path: Path, columns: list[str]) -> None:
-    """Rows to predict have text in each of ``columns``: else one line naming the first rows without any."""
-    for column in columns:
-        blank = np.flatnonzero(_blank_text(rows, column, "--text-column"))
-        if len(blank):
-            raise UserError(f"{_rows(len(blank))} of {path} have missing or empty text in column {column!r}, first at "
-                            f"{_where(blank[:5].tolist(), path)}; fill them in or leave them out")
 
 
 def _load_raw(source) -> tuple[datasets.DatasetDict, dict[str, Path]]:
     """The source's splits, and for local files, the file of each split."""
     path = Path(source).expanduser()
     if path.is_file():
-        return _load_local({"train": path}), {"train": path}
+        return load_local({"train": path}), {"train": path}
     if path.is_dir():
         files = {}
         for split, aliases in SPLIT_ALIASES.items():
@@ -187,7 +146,7 @@ def _load_raw(source) -> tuple[datasets.DatasetDict, dict[str, Path]]:
         if "train" not in files:
             raise UserError(f"dataset folder {path} has no train file (expected train.parquet, train.csv, "
                             f"train.json or train.jsonl)")
-        return _load_local(files), files
+        return load_local(files), files
     if path.suffix in LOCAL_FORMATS or str(source).startswith((".", "/", "~")):
         raise UserError(f"dataset path {source} does not exist (pass an existing file or folder to --dataset)")
     try:
@@ -199,7 +158,7 @@ def _load_raw(source) -> tuple[datasets.DatasetDict, dict[str, Path]]:
                                  for name in aliases if name in raw}), {}
 
 
-def _load_local(files: dict) -> datasets.DatasetDict:
+def load_local(files: dict) -> datasets.DatasetDict:
     formats = {LOCAL_FORMATS.get(f.suffix) for f in files.values()}
     if None in formats or len(formats) != 1:
         raise UserError(f"dataset files {sorted(str(f) for f in files.values())} must share one format of "
