@@ -239,23 +239,11 @@ def load_data(dataset: str, model: str, text_column: str, label_column: str, max
 
 
 def _check_source(source: str) -> None:
-    """An existing folder, or a hub id in the local cache or on a hub that answers one request: without network and
-    without the model, the run stops here at once, not after the minute of retries of the hub's download."""
-    if Path(source).expanduser().exists():
-        return
-    if source.startswith((".", "/", "~")):
-        raise UserError(f"model path {source} does not exist (pass a hub id or an existing folder to --model)")
-    from huggingface_hub import get_hf_file_metadata, hf_hub_url, try_to_load_from_cache
-    from huggingface_hub.errors import HfHubHTTPError
-
-    try:
-        if try_to_load_from_cache(source, "config.json") is None:
-            get_hf_file_metadata(hf_hub_url(source, "config.json"))
-    except HfHubHTTPError:  # the hub answered (no such model, gated): from_pretrained says which
-        pass
-    except Exception as err:  # offline mode, no network, not a hub id: each kind the hub's client raises
-        raise UserError(f"model {source} is not on this machine and the hub cannot give it ({first_line(err)}): "
-                        f"pass --model PATH, a local model folder") from err
+    """An existing folder, or a hub id the hub can give (data/hub.py): without network and without the model, the run
+    stops here at once."""
+    if not Path(source).expanduser().exists():
+        from data.hub import check_hub_model
+        check_hub_model(source)
 
 
 def load_tokenizer(source: str):

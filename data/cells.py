@@ -1,14 +1,17 @@
-"""Label cells read one by one, and where a row sits in its file: for a label column arrow cannot type (mixed JSON
-values, delimited strings, numbers stored as text) and for an error that names bad rows, imported only then."""
+"""What unusual input needs, imported only when it comes: label cells read one by one (a label column arrow cannot
+type: mixed JSON values, delimited strings, numbers stored as text), and the words of an error about a bad row (where
+it sits in its file) or a file the reader refused."""
 
 import csv
 import math
+import re
 from collections import Counter
 from pathlib import Path
 
 import pyarrow as pa
 
 from data.labels import TARGET_TYPES
+from fabric_utils.errors import UserError, first_line
 
 WRONG = object()  # a cell that holds a value of the wrong kind
 
@@ -95,3 +98,19 @@ def _csv_lines(path: Path, rows: list[int]) -> list[int]:
                     break
             line = reader.line_num + 1
     return [starts[r] for r in rows]
+
+
+def unreadable(files: dict[str, Path], file_format: str, err: Exception) -> UserError:
+    """The one line for data files the reader refused: no rows, not UTF-8, else the reader's own first line."""
+    cause = err
+    while cause.__cause__ is not None:  # datasets wraps the reader's own error, which names the line at fault
+        cause = cause.__cause__
+    empty = re.search(r'Instruction "(\w+)" corresponds to no data', str(err))
+    if empty and empty.group(1) in files:  # a header and no rows
+        return UserError(f"dataset file {files[empty.group(1)]} has no rows")
+    names = sorted(str(f) for f in files.values())
+    if isinstance(cause, UnicodeDecodeError):  # most often a spreadsheet's export in Latin-1 or Windows-1252
+        byte = cause.object[cause.start:cause.start + 1].hex(" ")
+        return UserError(f"dataset files {names} are not UTF-8 text (byte {byte} is not UTF-8): re-save them as UTF-8, "
+                         f"e.g. iconv -f cp1252 -t utf-8 FILE > NEW (cp1252 or latin1: what wrote it)")
+    return UserError(f"cannot read dataset files {names} as {file_format}: {first_line(cause)[:300]}")

@@ -7,7 +7,6 @@ with one line that names the split, the column and the first rows (or, with ``dr
 out). Splits the source lacks are then carved from train, deterministically by seed.
 """
 
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,7 +16,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from data.labels import encode_labels, is_blank, label_names, read_labels, resolve_problem_type, unseen_labels
-from fabric_utils.errors import UserError, first_line
+from fabric_utils.errors import UserError
 
 LOCAL_FORMATS = {".parquet": "parquet", ".csv": "csv", ".json": "json", ".jsonl": "json"}
 SPLIT_ALIASES = {"train": ("train",), "validation": ("validation", "valid", "val", "dev"), "test": ("test",)}
@@ -149,11 +148,8 @@ def _load_raw(source) -> tuple[datasets.DatasetDict, dict[str, Path]]:
         return load_local(files), files
     if path.suffix in LOCAL_FORMATS or str(source).startswith((".", "/", "~")):
         raise UserError(f"dataset path {source} does not exist (pass an existing file or folder to --dataset)")
-    try:
-        raw = datasets.load_dataset(str(source))
-    except Exception as err:  # the hub raises many kinds; all mean the same to a user here
-        raise UserError(f"could not load dataset {source!r} from the hub ({type(err).__name__}); offline, pass a "
-                        f"local file or folder to --dataset") from err
+    from data.hub import load_hub_dataset
+    raw = load_hub_dataset(str(source))
     return datasets.DatasetDict({split: raw[name] for split, aliases in SPLIT_ALIASES.items()
                                  for name in aliases if name in raw}), {}
 
@@ -170,19 +166,8 @@ def load_local(files: dict) -> datasets.DatasetDict:
     try:
         return datasets.load_dataset(file_format, data_files={k: str(v) for k, v in files.items()})
     except Exception as err:  # pyarrow, pandas and datasets each raise their own kinds for a bad file
-        cause = err
-        while cause.__cause__ is not None:  # datasets wraps the reader's own error, which names the line at fault
-            cause = cause.__cause__
-        empty = re.search(r'Instruction "(\w+)" corresponds to no data', str(err))
-        if empty and empty.group(1) in files:  # a header and no rows
-            raise UserError(f"dataset file {files[empty.group(1)]} has no rows") from err
-        if isinstance(cause, UnicodeDecodeError):  # most often a spreadsheet's export in Latin-1 or Windows-1252
-            raise UserError(f"dataset files {sorted(str(f) for f in files.values())} are not UTF-8 text (byte "
-                            f"{cause.object[cause.start:cause.start + 1].hex(' ')} is not UTF-8): re-save them as "
-                            f"UTF-8, e.g. iconv -f cp1252 -t utf-8 FILE > NEW (cp1252 or latin1: what wrote it)"
-                            ) from err
-        raise UserError(f"cannot read dataset files {sorted(str(f) for f in files.values())} as {file_format}: "
-                        f"{first_line(cause)[:300]}") from err
+        from data.cells import unreadable
+        raise unreadable(files, file_format, err) from err
 
 
 def _carve_missing_splits(raw: datasets.DatasetDict, seed: int, val_size) -> datasets.DatasetDict:
