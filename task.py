@@ -330,7 +330,7 @@ def build_model(source: str, label_names: list[str], problem_type: str, attentio
     the problem type and the label names, so the exported model predicts the right way (softmax, sigmoid or a
     number), and the tokenizer's ``pad_token_id``, by which decoders find each row's last token (Qwen2's config names
     none though its tokenizer pads). A dropout of None keeps the model's own. ``lora_r`` > 0 freezes it and adds LoRA
-    adapters (``add_lora``). The weights keep the dtype the folder holds (transformers memory-maps its safetensors
+    adapters (data/lora.py). The weights keep the dtype the folder holds (transformers memory-maps its safetensors
     file): the loop makes them fp32, under fsdp2 once each rank holds only its shards, so no rank converts the whole.
     Without ``weights``, the same model in fp32 with no weight read or initialized: the skeleton that the loop builds
     sharded under fsdp, fsdp2 and ZeRO-3 and fills from the pretrained model on rank 0."""
@@ -368,34 +368,10 @@ def build_model(source: str, label_names: list[str], problem_type: str, attentio
             model = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32,
                                                                    trust_remote_code=False)
         if lora_r:
+            from data.lora import add_lora
             model = add_lora(model, r=lora_r, alpha=lora_alpha or 2 * lora_r, dropout=lora_dropout,
                              target_modules=lora_target_modules, upcast=weights)
     return model.train()  # from_pretrained returns eval mode: dropout would stay off
-
-
-def add_lora(model, r: int, alpha: float, dropout: float, target_modules: list[str] | None, upcast: bool = True):
-    """Freezes ``model`` and adds LoRA adapters (``W + alpha / r * B @ A``, B starting at zero) to the linear layers
-    named ``target_modules`` (default: every linear layer of the body, peft's ``all-linear``). The task's head, every
-    module outside the pretrained body (a classifier, score, classification head, DeBERTa's pooler: what the load makes
-    fresh), trains in full and is exported. ``upcast`` makes the adapters fp32 next to 16-bit weights; a skeleton is
-    fp32 already, and under ZeRO-3 its weights take DeepSpeed's one dtype as they are made, which fp32 adapters would
-    break. peft is imported only here: it adds a second to every start."""
-    import torch
-    from peft import LoraConfig, TaskType, get_peft_model
-
-    body = model.base_model
-    head = [name for name, module in model.named_children()
-            if module is not body and next(module.parameters(), None) is not None]
-    linear = sorted({name.rsplit(".", 1)[-1] for name, module in body.named_modules()
-                     if isinstance(module, torch.nn.Linear)})
-    config = LoraConfig(task_type=TaskType.SEQ_CLS, r=r, lora_alpha=alpha, lora_dropout=dropout,
-                        target_modules=list(target_modules or ()) or "all-linear", modules_to_save=head)
-    try:
-        return get_peft_model(model, config, autocast_adapter_dtype=upcast)
-    except ValueError as err:  # peft's check that every name matches a layer
-        flag = f"--lora-target-modules {' '.join(target_modules)}" if target_modules else "LoRA"
-        raise UserError(f"{flag}: {first_line(err)} (its linear layers: {linear}; pass some with "
-                        f"--lora-target-modules)") from err
 
 
 # ---- forward, loss, metrics: shared by training and evaluation -------------------------------------------------------

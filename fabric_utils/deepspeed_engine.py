@@ -125,6 +125,18 @@ def full_state_dict(state_path: Path) -> dict:
     return weights
 
 
+def checkpoint_classes() -> list:
+    """What DeepSpeed's model and ZeRO files hold beside tensors: the classes safe_pickle allows in them."""
+    try:
+        from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+        from deepspeed.runtime.zero.config import ZeroStageEnum
+        from deepspeed.utils.tensor_fragment import fragment_address
+    except ImportError:  # then no DeepSpeed checkpoint can be resumed anyway
+        return []
+
+    return [ZeroStageEnum, fragment_address, LossScaler, DynamicLossScaler]
+
+
 def cpu_adam():
     """ZeRO-Offload's optimizer class: it refuses torch's."""
     from deepspeed.ops.adam import DeepSpeedCPUAdam

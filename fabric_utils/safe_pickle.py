@@ -26,17 +26,6 @@ def _dcp_classes() -> list:
             Path, type(Path())]
 
 
-def _deepspeed_classes() -> list:
-    """What DeepSpeed's model and ZeRO files hold beside tensors."""
-    try:
-        from deepspeed.runtime.fp16.loss_scaler import LossScaler, DynamicLossScaler
-        from deepspeed.runtime.zero.config import ZeroStageEnum
-        from deepspeed.utils.tensor_fragment import fragment_address
-    except ImportError:  # then no DeepSpeed checkpoint can be resumed anyway
-        return []
-    return [ZeroStageEnum, fragment_address, LossScaler, DynamicLossScaler]
-
-
 class _Restricted(pickle._Unpickler):  # the pure-Python unpickler, whose opcodes can be overridden
     """The standard library's way to unpickle untrusted bytes: ``find_class`` resolves only allowed names; and it
     builds without mutating: BUILD sets plain attributes only on an object this unpickling made (NEWOBJ), never on a
@@ -141,5 +130,8 @@ def check_folder(folder: Path) -> None:
             continue
         if path.name == DCP_METADATA:
             check_dcp_metadata(path)
+        elif DEEPSPEED_FILES.match(path.name):
+            from fabric_utils.deepspeed_engine import checkpoint_classes
+            load_torch_file(path, classes=checkpoint_classes())
         else:
-            load_torch_file(path, classes=_deepspeed_classes() if DEEPSPEED_FILES.match(path.name) else ())
+            load_torch_file(path)
