@@ -138,8 +138,9 @@ def setup(args: argparse.Namespace, verbose: bool) -> TaskSpec:
                            lora_target_modules=args.lora_target_modules, pad_token_id=data.tokenizer.pad_token_id,
                            weights=weights)
 
-    def example_batch(rows: int, length: int | None, device) -> dict:
-        return objective.dummy_batch(example_inputs(data.tokenizer, rows, length or args.max_length), device=device)
+    def example_batch(rows: int, length: int | None, device) -> dict:  # only the flags that probe the model ask
+        from data.example_batch import make_example_batch
+        return make_example_batch(data.tokenizer, objective, rows, length or args.max_length, device)
 
     return TaskSpec(
         datasets={name: split.remove_columns("length").with_format("torch") for name, split in data.splits.items()},
@@ -481,31 +482,6 @@ class ClassifierObjective:
         if self.problem_type == "multi_label":
             return ",".join(name for name, on in zip(self.label_names, value) if on)
         return self.label_names[value]
-
-    def dummy_batch(self, inputs: dict[str, torch.Tensor], device) -> dict:
-        """``inputs`` on ``device`` with labels of the right kind: for FLOP counting and the batch-size finder."""
-        import torch
-
-        rows = len(inputs["input_ids"])
-        labels = {"single_label": lambda: torch.zeros(rows, dtype=torch.long, device=device),
-                  "multi_label": lambda: torch.zeros(rows, self.num_labels, device=device),
-                  "regression": lambda: torch.zeros(rows, device=device)}[self.problem_type]()
-        return {**{name: value.to(device) for name, value in inputs.items()}, "labels": labels}
-
-
-def example_inputs(tokenizer, rows: int, length: int) -> dict[str, torch.Tensor]:
-    """``rows`` copies of a row of ``length`` tokens as the tokenizer makes them, random words between its special
-    tokens (T5 and BART check that each row ends in one end-of-text token), with the attention mask the model gets.
-    A generator of its own: the run's random numbers stay as its seed made them."""
-    import torch
-
-    special = set(tokenizer.all_special_ids)
-    words = [i for i in range(len(tokenizer)) if i not in special]
-    drawn = torch.randint(len(words), (2 * length,), generator=torch.Generator().manual_seed(0)).tolist()
-    row = tokenizer(tokenizer.decode([words[i] for i in drawn]), truncation=True, max_length=length)
-    row = tokenizer.pad({name: row[name] for name in ("input_ids", "attention_mask")}, padding="max_length",
-                        max_length=length, return_tensors="pt")
-    return {name: value.expand(rows, -1) for name, value in row.items()}
 
 
 def row_lengths(batch: dict) -> torch.Tensor:
