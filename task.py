@@ -139,7 +139,7 @@ def setup(args: argparse.Namespace, verbose: bool) -> TaskSpec:
                            weights=weights)
 
     def example_batch(rows: int, length: int | None, device) -> dict:  # only the flags that probe the model ask
-        from data.example_batch import make_example_batch
+        from data.extras import make_example_batch
         return make_example_batch(data.tokenizer, objective, rows, length or args.max_length, device)
 
     return TaskSpec(
@@ -240,10 +240,10 @@ def load_data(dataset: str, model: str, text_column: str, label_column: str, max
 
 
 def _check_source(source: str) -> None:
-    """An existing folder, or a hub id the hub can give (data/hub.py): without network and without the model, the run
+    """An existing folder, or a hub id the hub can give (data/extras.py): without network and without the model, the run
     stops here at once."""
     if not Path(source).expanduser().exists():
-        from data.hub import check_hub_model
+        from data.extras import check_hub_model
         check_hub_model(source)
 
 
@@ -331,7 +331,7 @@ def build_model(source: str, label_names: list[str], problem_type: str, attentio
     the problem type and the label names, so the exported model predicts the right way (softmax, sigmoid or a
     number), and the tokenizer's ``pad_token_id``, by which decoders find each row's last token (Qwen2's config names
     none though its tokenizer pads). A dropout of None keeps the model's own. ``lora_r`` > 0 freezes it and adds LoRA
-    adapters (data/lora.py). The weights keep the dtype the folder holds (transformers memory-maps its safetensors
+    adapters (data/extras.py). The weights keep the dtype the folder holds (transformers memory-maps its safetensors
     file): the loop makes them fp32, under fsdp2 once each rank holds only its shards, so no rank converts the whole.
     Without ``weights``, the same model in fp32 with no weight read or initialized: the skeleton that the loop builds
     sharded under fsdp, fsdp2 and ZeRO-3 and fills from the pretrained model on rank 0."""
@@ -369,7 +369,7 @@ def build_model(source: str, label_names: list[str], problem_type: str, attentio
             model = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32,
                                                                    trust_remote_code=False)
         if lora_r:
-            from data.lora import add_lora
+            from data.extras import add_lora
             model = add_lora(model, r=lora_r, alpha=lora_alpha or 2 * lora_r, dropout=lora_dropout,
                              target_modules=lora_target_modules, upcast=weights)
     return model.train()  # from_pretrained returns eval mode: dropout would stay off
@@ -502,8 +502,8 @@ def padded_length(batch: dict) -> int:
 # ---- predictions on new rows: predict.py --------------------------------------------------------------------------
 def predict(folder: Path, source: Path, flags: dict, batch_size: int) -> dict[str, list]:
     """The exported model's (``folder``) predictions for each row of the file ``source``, read as the run that trained
-    it read its data (``flags``: its config.yaml): data/predict.py, imported only by predict.py."""
-    from data.predict import predict_file
+    it read its data (``flags``: its config.yaml): data/extras.py, imported only then."""
+    from data.extras import predict_file
 
     return predict_file(folder, source, flags, batch_size)
 
