@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fabric_utils.args import dropout, non_negative_int, positive_float, positive_int, probability
-from fabric_utils.errors import UserError, first_line, held_stderr
+from fabric_utils.errors import UserError, first_line
 from fabric_utils.task_spec import RowLengths, TaskSpec
 
 # --lr's default, by the model's width (hidden size), as each entry is the widest model it covers: its peak for a
@@ -138,8 +138,9 @@ def setup(args: argparse.Namespace, verbose: bool) -> TaskSpec:
                            lora_target_modules=args.lora_target_modules, pad_token_id=data.tokenizer.pad_token_id,
                            weights=weights)
 
-    def example_batch(rows: int, length: int | None, device) -> dict:
-        return objective.dummy_batch(example_inputs(data.tokenizer, rows, length or args.max_length), device=device)
+    def example_batch(rows: int, length: int | None, device) -> dict:  # only the flags that probe the model ask
+        from data.extras import make_example_batch
+        return make_example_batch(data.tokenizer, objective, rows, length or args.max_length, device)
 
     return TaskSpec(
         datasets={name: split.remove_columns("length").with_format("torch") for name, split in data.splits.items()},
@@ -239,23 +240,11 @@ def load_data(dataset: str, model: str, text_column: str, label_column: str, max
 
 
 def _check_source(source: str) -> None:
-    """An existing folder, or a hub id in the local cache or on a hub that answers one request: without network and
-    without the model, the run stops here at once, not after the minute of retries of the hub's download."""
-    if Path(source).expanduser().exists():
-        return
-    if source.startswith((".", "/", "~")):
-        raise UserError(f"model path {source} does not exist (pass a hub id or an existing folder to --model)")
-    from huggingface_hub import get_hf_file_metadata, hf_hub_url, try_to_load_from_cache
-    from huggingface_hub.errors import HfHubHTTPError
-
-    try:
-        if try_to_load_from_cache(source, "config.json") is None:
-            get_hf_file_metadata(hf_hub_url(source, "config.json"))
-    except HfHubHTTPError:  # the hub answered (no such model, gated): from_pretrained says which
-        pass
-    except Exception as err:  # offline mode, no network, not a hub id: each kind the hub's client raises
-        raise UserError(f"model {source} is not on this machine and the hub cannot give it ({first_line(err)}): "
-                        f"pass --model PATH, a local model folder") from err
+    """An existing folder, or a hub id the hub can give (data/extras.py): without network and without the model, the run
+    stops here at once."""
+    if not Path(source).expanduser().exists():
+        from data.extras import check_hub_model
+        check_hub_model(source)
 
 
 def load_tokenizer(source: str):
@@ -342,7 +331,7 @@ def build_model(source: str, label_names: list[str], problem_type: str, attentio
     the problem type and the label names, so the exported model predicts the right way (softmax, sigmoid or a
     number), and the tokenizer's ``pad_token_id``, by which decoders find each row's last token (Qwen2's config names
     none though its tokenizer pads). A dropout of None keeps the model's own. ``lora_r`` > 0 freezes it and adds LoRA
-    adapters (``add_lora``). The weights keep the dtype the folder holds (transformers memory-maps its safetensors
+    adapters (data/extras.py). The weights keep the dtype the folder holds (transformers memory-maps its safetensors
     file): the loop makes them fp32, under fsdp2 once each rank holds only its shards, so no rank converts the whole.
     Without ``weights``, the same model in fp32 with no weight read or initialized: the skeleton that the loop builds
     sharded under fsdp, fsdp2 and ZeRO-3 and fills from the pretrained model on rank 0."""
@@ -380,34 +369,10 @@ def build_model(source: str, label_names: list[str], problem_type: str, attentio
             model = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32,
                                                                    trust_remote_code=False)
         if lora_r:
+            from data.extras import add_lora
             model = add_lora(model, r=lora_r, alpha=lora_alpha or 2 * lora_r, dropout=lora_dropout,
                              target_modules=lora_target_modules, upcast=weights)
     return model.train()  # from_pretrained returns eval mode: dropout would stay off
-
-
-def add_lora(model, r: int, alpha: float, dropout: float, target_modules: list[str] | None, upcast: bool = True):
-    """Freezes ``model`` and adds LoRA adapters (``W + alpha / r * B @ A``, B starting at zero) to the linear layers
-    named ``target_modules`` (default: every linear layer of the body, peft's ``all-linear``). The task's head, every
-    module outside the pretrained body (a classifier, score, classification head, DeBERTa's pooler: what the load makes
-    fresh), trains in full and is exported. ``upcast`` makes the adapters fp32 next to 16-bit weights; a skeleton is
-    fp32 already, and under ZeRO-3 its weights take DeepSpeed's one dtype as they are made, which fp32 adapters would
-    break. peft is imported only here: it adds a second to every start."""
-    import torch
-    from peft import LoraConfig, TaskType, get_peft_model
-
-    body = model.base_model
-    head = [name for name, module in model.named_children()
-            if module is not body and next(module.parameters(), None) is not None]
-    linear = sorted({name.rsplit(".", 1)[-1] for name, module in body.named_modules()
-                     if isinstance(module, torch.nn.Linear)})
-    config = LoraConfig(task_type=TaskType.SEQ_CLS, r=r, lora_alpha=alpha, lora_dropout=dropout,
-                        target_modules=list(target_modules or ()) or "all-linear", modules_to_save=head)
-    try:
-        return get_peft_model(model, config, autocast_adapter_dtype=upcast)
-    except ValueError as err:  # peft's check that every name matches a layer
-        flag = f"--lora-target-modules {' '.join(target_modules)}" if target_modules else "LoRA"
-        raise UserError(f"{flag}: {first_line(err)} (its linear layers: {linear}; pass some with "
-                        f"--lora-target-modules)") from err
 
 
 # ---- forward, loss, metrics: shared by training and evaluation -------------------------------------------------------
@@ -518,31 +483,6 @@ class ClassifierObjective:
             return ",".join(name for name, on in zip(self.label_names, value) if on)
         return self.label_names[value]
 
-    def dummy_batch(self, inputs: dict[str, torch.Tensor], device) -> dict:
-        """``inputs`` on ``device`` with labels of the right kind: for FLOP counting and the batch-size finder."""
-        import torch
-
-        rows = len(inputs["input_ids"])
-        labels = {"single_label": lambda: torch.zeros(rows, dtype=torch.long, device=device),
-                  "multi_label": lambda: torch.zeros(rows, self.num_labels, device=device),
-                  "regression": lambda: torch.zeros(rows, device=device)}[self.problem_type]()
-        return {**{name: value.to(device) for name, value in inputs.items()}, "labels": labels}
-
-
-def example_inputs(tokenizer, rows: int, length: int) -> dict[str, torch.Tensor]:
-    """``rows`` copies of a row of ``length`` tokens as the tokenizer makes them, random words between its special
-    tokens (T5 and BART check that each row ends in one end-of-text token), with the attention mask the model gets.
-    A generator of its own: the run's random numbers stay as its seed made them."""
-    import torch
-
-    special = set(tokenizer.all_special_ids)
-    words = [i for i in range(len(tokenizer)) if i not in special]
-    drawn = torch.randint(len(words), (2 * length,), generator=torch.Generator().manual_seed(0)).tolist()
-    row = tokenizer(tokenizer.decode([words[i] for i in drawn]), truncation=True, max_length=length)
-    row = tokenizer.pad({name: row[name] for name in ("input_ids", "attention_mask")}, padding="max_length",
-                        max_length=length, return_tensors="pt")
-    return {name: value.expand(rows, -1) for name, value in row.items()}
-
 
 def row_lengths(batch: dict) -> torch.Tensor:
     """Tokens per row that are not padding, from the batch on the host (no device read): what throughput
@@ -560,58 +500,12 @@ def padded_length(batch: dict) -> int:
 
 
 # ---- predictions on new rows: predict.py --------------------------------------------------------------------------
-PREDICT_FLAGS = {"text_column", "text_pair_column", "max_length", "pad_to_multiple_of"}  # how the run read its texts
-
-
 def predict(folder: Path, source: Path, flags: dict, batch_size: int) -> dict[str, list]:
-    """The exported model's (``folder``) predictions for each row of the file ``source``, whose texts are read as the
-    run that trained the model read its data (``flags``: its config.yaml): ``ClassifierObjective.table``'s columns
-    and each row's index."""
-    import datasets
-    import torch
-    from tqdm import tqdm
-    from transformers import AutoModelForSequenceClassification
+    """The exported model's (``folder``) predictions for each row of the file ``source``, read as the run that trained
+    it read its data (``flags``: its config.yaml): data/extras.py, imported only then."""
+    from data.extras import predict_file
 
-    from data.sources import check_texts, read_rows
-    from data.tokenize import make_collator, tokenize_splits
-
-    if lacking := sorted(PREDICT_FLAGS - flags.keys()):
-        raise UserError(f"the run's config.yaml lacks {', '.join(lacking)}: pass the folder of a run train.py wrote")
-    quiet_libraries(bars=False, logs=False)
-    rows = read_rows(source)
-    texts = [column for column in (flags["text_column"], flags["text_pair_column"]) if column]
-    missing = [column for column in texts if column not in rows.column_names]
-    if missing:
-        raise UserError(f"{source} has no column {missing[0]!r} (its columns: {rows.column_names}); the model was "
-                        f"trained on {' and '.join(texts)}")
-    check_texts(rows, source, texts)
-    tokenizer = load_tokenizer(str(folder))
-    try:  # the folder's own code never runs, and its weights are read from safetensors only (no pickle)
-        model = AutoModelForSequenceClassification.from_pretrained(folder, trust_remote_code=False,
-                                                                   use_safetensors=True).eval()
-    except OSError as err:
-        raise UserError(f"cannot load the exported model in {folder}: {first_line(err)} (predict.py reads "
-                        f"the model.safetensors train.py exports)") from err
-    problem_type = {hf: name for name, hf in HF_PROBLEM_TYPES.items()}[model.config.problem_type]
-    objective = ClassifierObjective(problem_type, num_labels=model.config.num_labels,
-                                    label_names=[model.config.id2label[i] for i in range(model.config.num_labels)])
-    try:
-        with held_stderr():
-            inputs = tokenize_splits(datasets.DatasetDict(rows=rows.select_columns(texts)), tokenizer,
-                                     flags["text_column"], flags["max_length"], flags["text_pair_column"])
-    except (KeyboardInterrupt, SystemExit):
-        raise
-    except BaseException as err:  # a tokenizer's panic is a BaseException
-        raise UserError(f"the tokenizer of {folder} failed on the rows of {source}: {first_line(err)[:200]}") from err
-    inputs = inputs["rows"].remove_columns("length")
-    collate = make_collator(tokenizer, False, flags["max_length"], flags["pad_to_multiple_of"])
-    predicted = []
-    batches = torch.utils.data.DataLoader(inputs, batch_size=batch_size, collate_fn=collate)
-    with torch.no_grad():
-        for batch in tqdm(batches, desc="predicting", unit="batch", disable=None):  # a bar on a terminal only
-            predicted.append(objective.predict(objective.forward(model, batch), batch))
-    return objective.table({"row": torch.arange(len(rows)),
-                            **{name: torch.cat([b[name] for b in predicted]) for name in predicted[0]}})
+    return predict_file(folder, source, flags, batch_size)
 
 
 # ---- export ----------------------------------------------------------------------------------------------------------

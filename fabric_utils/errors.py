@@ -1,12 +1,10 @@
 """User-facing errors: one line that says what to change, printed once, no traceback, a non-zero exit."""
 
-import contextlib
 import functools
 import json
 import os
 import signal
 import sys
-import tempfile
 import time
 
 RANK_ZERO_REPORTS_WITHIN_S = 10  # what a loaded machine can put between two ranks reaching the same check
@@ -66,21 +64,3 @@ def lost_a_peer(err: Exception) -> bool:
 
 def _global_rank() -> int:
     return int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")))
-
-
-@contextlib.contextmanager
-def held_stderr():
-    """The block's writes to file descriptor 2 held back, and shown after it unless it raises: native code (a Rust
-    panic in a tokenizer) prints lines of its own that the one-line error it becomes replaces."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with tempfile.TemporaryFile() as held:
-        os.dup2(held.fileno(), 2)
-        try:
-            yield
-        finally:
-            sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
-        held.seek(0)
-        os.write(2, held.read())
