@@ -20,6 +20,7 @@ import argparse
 import contextlib
 import copy
 import functools
+import hashlib
 import math
 import warnings
 from collections import Counter
@@ -151,7 +152,9 @@ def setup(args: argparse.Namespace, verbose: bool) -> TaskSpec:
         fingerprint={"model": "--demo" if args.demo else data.model_source, "labels": data.label_names,
               "problem_type": data.problem_type, "--dataset": "--demo" if args.demo else dataset,
               "--max-length": args.max_length, "--train-size": args.train_size, "--data-seed": data_seed,
-              **({"--class-weights": args.class_weights} if args.class_weights != "none" else {})},
+              **({"--class-weights": args.class_weights} if args.class_weights != "none" else {}),
+              # LoRA's checkpoints hold the adapters alone: a resume must build them on the same base
+              **({"base model weights (SHA-256)": weights_digest(data.model_source)} if args.lora_r else {})},
         # [:] reads a column whole: a datasets Column read row by row takes seconds on 25,000 rows
         lengths=RowLengths(per_split={name: split["length"][:] for name, split in data.splits.items()},
                            in_batch=row_lengths, longest=args.max_length, padded_to=padded_length),
@@ -383,6 +386,18 @@ def build_model(source: str, label_names: list[str], problem_type: str, attentio
             model = add_lora(model, r=lora_r, alpha=lora_alpha or 2 * lora_r, dropout=lora_dropout,
                              target_modules=lora_target_modules, upcast=weights)
     return model.train()  # from_pretrained returns eval mode: dropout would stay off
+
+
+def weights_digest(source: str) -> str:
+    """The start of the SHA-256 of a model folder's weight files, wherever the folder is (a hub name: the name)."""
+    folder = Path(source)
+    if not folder.is_dir():
+        return source
+    digest = hashlib.sha256()
+    for file in sorted(p for p in folder.iterdir() if p.suffix in (".safetensors", ".bin", ".pt", ".pth")):
+        with open(file, "rb") as f:
+            digest.update(hashlib.file_digest(f, "sha256").digest())
+    return digest.hexdigest()[:16]
 
 
 def add_lora(model, r: int, alpha: float, dropout: float, target_modules: list[str] | None, upcast: bool = True):
