@@ -171,14 +171,16 @@ def _read_sharded(path: Path, state: dict, trained_only: bool) -> None:
 
 def frozen_weights(fabric, model) -> dict[str, torch.Tensor]:
     """The frozen parameters whole on rank 0's host ({} elsewhere): what a checkpoint of the trained part needs beside
-    it for an export. A collective call."""
+    it for an export (under fsdp2 the whole model, as its names lack the wrappers'; the checkpoint's values override).
+    A collective call."""
     module, frozen = bare_module(model), frozen_names(model)
     if not frozen:
         return {}
     if strategy.uses_fsdp2(fabric):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-        whole = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        return {k: v for k, v in whole.items() if k in frozen}
+        return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if strategy.uses_zero3(fabric):
+        fabric.strategy.model.empty_partition_cache()  # the last forward's prefetched weights: none in flight
     found = {}
     for name, param in module.named_parameters(remove_duplicate=False):
         if name not in frozen:
