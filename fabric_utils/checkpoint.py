@@ -86,7 +86,7 @@ def save_checkpoint(fabric, root: Path, tag: str, state: dict, keep_last: int | 
         except OSError as err:
             raise _disk_full(root, tmp, tag, err) from err
 
-    start(fabric, land, commit, background)
+    start(fabric, land, commit)
     if not background:
         wait_for_save(fabric)
     if tag.startswith("step-") and not _SAID_DISK_PLAN and fabric.is_global_zero:

@@ -3,9 +3,10 @@ rebuilds from its source), written in the background while training goes on (at 
 started on a disk that cannot hold it."""
 
 import shutil
-import threading
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -67,13 +68,13 @@ def _nbytes(value) -> int:
     return 0
 
 
-class Staged:
+class Staged(NamedTuple):
     """A state ready to write: ``nbytes`` on this rank (None: not known before writing), ``write(path, background)``,
     which starts the write and returns what completes it (to run in a thread: it makes no collective call), and
     whether it leaves out frozen parameters (``trained_only``)."""
-
-    def __init__(self, nbytes: int | None, write: Callable[[Path, bool], Callable[[], None]], trained_only: bool):
-        self.nbytes, self.write, self.trained_only = nbytes, write, trained_only
+    nbytes: int | None
+    write: Callable[[Path, bool], Callable[[], None]]
+    trained_only: bool
 
 
 def stage(fabric, state: dict) -> Staged:
@@ -195,35 +196,22 @@ def frozen_weights(fabric, model) -> dict[str, torch.Tensor]:
     return found
 
 
-class _InFlight:
-    """The one save written in the background: its thread, and what went wrong in it."""
-    thread: threading.Thread | None = None
-    error: BaseException | None = None
+_WRITER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-save")  # at most one save in flight
+_IN_FLIGHT: list[Future] = []
 
 
-def start(fabric, finish: Callable[[], None], commit: Callable[[], None], background: bool) -> None:
-    """Runs ``finish`` (the last of the write), then on rank 0 ``commit``, in a thread if ``background``."""
-    def run():
-        try:
-            finish()
-            if fabric.is_global_zero:
-                commit()
-        except BaseException as err:  # raised in the loop at the next wait
-            _InFlight.error = err
-
-    if background:
-        _InFlight.thread = threading.Thread(target=run, name="checkpoint-save", daemon=False)
-        _InFlight.thread.start()
-    else:
-        run()
+def start(fabric, finish: Callable[[], None], commit: Callable[[], None]) -> None:
+    """Runs ``finish`` (the last of the write), then on rank 0 ``commit``, in the writer's thread."""
+    def run() -> None:
+        finish()
+        if fabric.is_global_zero:
+            commit()
+    _IN_FLIGHT.append(_WRITER.submit(run))
 
 
 def wait_for_save(fabric) -> None:
     """Blocks until the save in flight (if any) is on disk on every rank; raises, on every rank, what failed in it."""
-    if _InFlight.thread is not None:
-        _InFlight.thread.join()
-        _InFlight.thread = None
-    error, _InFlight.error = _InFlight.error, None
+    error = _IN_FLIGHT.pop().exception() if _IN_FLIGHT else None
     # rank 0 commits, and alone writes one process's file: its error stops every rank
     failed = fabric.broadcast(None if error is None else (type(error) is UserError, str(error)))
     if error is not None and type(error) is not UserError:
