@@ -10,7 +10,8 @@ not there. The task (``task.predict``) says how its exported model reads a file.
 from pathlib import Path
 
 import task
-from fabric_utils.args import Parser, build_parser, load_config, positive_int
+from fabric_utils.args import Parser, build_parser, positive_int
+from fabric_utils.config_file import load_config
 from fabric_utils.errors import UserError, exit_on_user_error
 
 

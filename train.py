@@ -64,7 +64,8 @@ def setup(argv=None) -> dict:
 
 def main(fabric, flags, out_dir: Path) -> dict:
     fabric.seed_everything(flags.seed)
-    threads = set_threads(fabric, flags.num_threads)  # first: threads beyond the free cores fight, and the run crawls
+    # first: threads beyond the free cores fight, and the run crawls; sharing: the processes on these CPUs
+    threads, sharing = set_threads(fabric, flags.num_threads)
     preemption = Preemption()  # from here on, SIGTERM/SIGUSR1 lead to a checkpoint, not a lost run
     if fabric.device.type == "cuda":  # TF32 matrix products and cuDNN autotuning: free speed on Ampere+ GPUs
         torch.set_float32_matmul_precision("high")
@@ -99,7 +100,7 @@ def main(fabric, flags, out_dir: Path) -> dict:
     if flags.fast_dev_run:  # N batches of each split on every process
         spec = cut_splits(spec, flags.fast_dev_run * fabric.world_size, train_rows=batch_size * grad_accum,
                           eval_rows=flags.eval_batch_size or 2 * batch_size)
-    loaders = make_loaders(fabric, flags, spec, batch_size=batch_size, grad_accum=grad_accum)
+    loaders = make_loaders(fabric, flags, spec, batch_size=batch_size, grad_accum=grad_accum, sharing=sharing)
     steps_per_epoch = math.ceil(len(loaders["train"]) / grad_accum)
     max_steps = flags.max_steps or flags.epochs * steps_per_epoch
     # every value the run uses, read-only from here on, with what the task and the lines above decided
@@ -150,13 +151,12 @@ def build(fabric, args, spec: TaskSpec, loss_fn, fresh: bool):
         model = compiling.compile_model(model, args.compile_mode, cuda_graphs=strategy.fits_cuda_graphs(fabric))
     # fp32 weights to update; DeepSpeed compiles in its engine
     model, compiled = sharding.prepare_for_setup(fabric, model)
-    shapes = sharding.full_shapes(model)  # before FSDP flattens them: AdamW decays only the matrices
 
     # at rate 0: the schedule sets the peak once the run's length, on which the default depends, is known
     def new_optimizer(module):
         return optim.build_optimizer(module, name=args.optimizer, lr=0.0, weight_decay=args.weight_decay,
                                      device=fabric.device, cpu_adam=strategy.cpu_optimizer(fabric),
-                                     loss_scaling=strategy.scales_loss(fabric), shapes=shapes)
+                                     loss_scaling=strategy.scales_loss(fabric))
 
     if strategy.builds_optimizer_after_setup(fabric):  # on what set-up made: FSDP's shards, transformer-engine's layers
         model = sharding.cast_shards(fabric, fabric.setup_module(model))                       # Fabric step 3
@@ -228,12 +228,12 @@ def restore(fabric, config, spec: TaskSpec, model, optimizer, scheduler, max_ste
     return state
 
 
-def make_loaders(fabric, flags, spec: TaskSpec, batch_size: int, grad_accum: int) -> dict:
+def make_loaders(fabric, flags, spec: TaskSpec, batch_size: int, grad_accum: int, sharing: int) -> dict:
+    workers = speed.default_num_workers(fabric.device, sharing) if flags.num_workers is None else flags.num_workers
     loaders = make_dataloaders(
         spec.datasets, spec.collate, spec.lengths and spec.lengths.per_split, batch_size=batch_size,
         eval_batch_size=flags.eval_batch_size or 2 * batch_size, world_size=fabric.world_size,
-        rank=fabric.global_rank, seed=flags.seed, group_by_length=flags.group_by_length,
-        num_workers=speed.default_num_workers(fabric) if flags.num_workers is None else flags.num_workers,
+        rank=fabric.global_rank, seed=flags.seed, group_by_length=flags.group_by_length, num_workers=workers,
         pin_memory=fabric.device.type == "cuda", grad_accum=grad_accum)
     # the samplers shard the rows; batches stay on the host, where the loop counts them without reading the device
     return dict(zip(loaders, fabric.setup_dataloaders(*loaders.values(), use_distributed_sampler=False,

@@ -39,7 +39,7 @@ steps under torch.profiler: GPU-busy fraction, kernel launches and host syncs pe
 (results.json), from FLOPs counted on the host: over real tokens, and over the padded batch the GPU computes (filling
 rows included), for compiled rows as for eager ones; the steady MFU scales the padded one by the steady window's
 samples/s. ``--dry-run`` runs every row it can on CPU processes, the CUDA-only paths through the tests' CPU shims
-(tests/shims: DeepSpeed, fp16, fp8, FSDP1) and ``--compile`` with the aot_eager backend, the graphs Inductor gets
+(tests/shims: DeepSpeed, fp16, fp8) and ``--compile`` with the aot_eager backend, the graphs Inductor gets
 without its kernels (tests/test_shapes.py builds Inductor's kernels on CPU itself). Every row is the text task as shipped (its flags).
 """
 
@@ -67,8 +67,8 @@ from data.demo import prepare_demo  # noqa: E402
 from fabric_utils.args import FP8, positive_float  # noqa: E402
 
 DEMO = Path.home() / ".cache" / "fabric-template" / "demo"
-SHIMS = {"FABRIC_TEMPLATE_DEEPSPEED_CPU": "1", "FABRIC_TEMPLATE_FP16_CPU": "1", "FABRIC_TEMPLATE_FSDP_CPU": "1",
-         "FABRIC_TEMPLATE_FP8_CPU": "1", "FABRIC_TEMPLATE_COMPILE_EAGER": "1"}
+SHIMS = {"FABRIC_TEMPLATE_DEEPSPEED_CPU": "1", "FABRIC_TEMPLATE_FP16_CPU": "1", "FABRIC_TEMPLATE_FP8_CPU": "1",
+         "FABRIC_TEMPLATE_COMPILE_EAGER": "1"}
 MINILM = "one GPU: all-MiniLM-L6-v2, pretrained"
 TESTS = "tests/test_gpu.py"
 FIRST_STEPS = 20  # the losses compared with 32-true's
@@ -403,7 +403,7 @@ def plan(args, sizes: Sizes, work: Path) -> list[Row]:
         row.profiled = row.profiled or row.section in (PEERS, MINILM)
     if args.dry_run:
         for row in rows:
-            # the CUDA-only paths (16-mixed, DeepSpeed, FSDP1, fp8) through the tests' CPU stand-ins
+            # the CUDA-only paths (16-mixed, DeepSpeed, fp8) through the tests' CPU stand-ins
             row.env = {**SHIMS, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests" / "shims"), str(ROOT)])}
             if row.name == FP8_ROW:
                 row.notes.append("dry run: torch's CPU float8 product reads its scales back (the syncs)")

@@ -70,10 +70,10 @@ def run_job(model: Path, strategy: str, lora_r: int, out_dir: Path) -> dict:
 
 def run_train(checkout: Path, script: str, model: Path, strategy: str, lora_r: int, out_dir: Path,
               **env) -> None:
-    """``script`` (train.py or a probe of it) with JOB's flags on 2 processes, in ``checkout``; DeepSpeed and FSDP1
-    need CUDA, and the tests' shims run them on CPU processes."""
+    """``script`` (train.py or a probe of it) with JOB's flags on 2 processes, in ``checkout``; DeepSpeed needs
+    CUDA, and the tests' shim runs it on CPU processes."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
-           "FABRIC_TEMPLATE_DEEPSPEED_CPU": "1", "FABRIC_TEMPLATE_FSDP_CPU": "1",
+           "FABRIC_TEMPLATE_DEEPSPEED_CPU": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT / "tests" / "shims"), str(checkout)]), **env}
     data, _ = prepare_demo(Path.home() / ".cache" / "fabric-template" / "demo")
     command = [sys.executable, script, *JOB, "--dataset", str(data), "--model", str(model),

@@ -2,22 +2,19 @@
 
 import argparse
 import contextlib
-import copy
 import difflib
 import os
 from pathlib import Path
-
-import yaml
 
 from fabric_utils.errors import UserError
 
 # Fabric's names written out, as Lightning's import takes seconds; strategies that rerun this script (not *_spawn)
 FSDP2 = "fsdp2"  # PyTorch's fully_shard, through Fabric's ModelParallelStrategy; not in its registry
-FSDP1 = ("fsdp", "fsdp_cpu_offload")  # torch's FullyShardedDataParallel (fsdp1.py)
+FSDP1, FSDP1_OFFLOAD = "fsdp", "fsdp_cpu_offload"  # Fabric's names for torch's FSDP1: run as fsdp2, or refused
 ACCELERATORS = ("auto", "cpu", "cuda", "mps", "tpu")
 STRATEGIES = ("auto", "ddp", "ddp_find_unused_parameters_true", "dp", "deepspeed", "deepspeed_stage_1",
               "deepspeed_stage_1_offload", "deepspeed_stage_2", "deepspeed_stage_2_offload", "deepspeed_stage_3",
-              "deepspeed_stage_3_offload", "deepspeed_stage_3_offload_nvme", *FSDP1, "single_xla",
+              "deepspeed_stage_3_offload", "deepspeed_stage_3_offload_nvme", FSDP1, FSDP1_OFFLOAD, "single_xla",
               "single_tpu", FSDP2)
 FP8 = "fp8-mixed"  # torchao's float8 matrix products in bf16-mixed autocast (fp8.py); not Fabric's
 PRECISIONS = ("auto", "transformer-engine", "transformer-engine-float16", "16-true", "16-mixed", "bf16-true",
@@ -26,7 +23,6 @@ LOGGER_NAMES = ("csv", "tensorboard", "mlflow", "wandb")
 # applied after parsing: a launch flag left unset (None) is one `fabric run` may set instead
 LAUNCH_DEFAULTS = {"accelerator": "auto", "devices": "auto", "num_nodes": 1, "strategy": "auto", "precision": "auto"}
 RUN_MARKER = ".fabric-template-run"  # what a run writes into its folder: a user may keep a config.yaml there too
-MAX_CONFIG_BYTES = 1 << 20  # a config of flags is a few KB
 
 
 def number(convert, ok, what: str):
@@ -171,7 +167,10 @@ def parse_flags(parser: argparse.ArgumentParser, argv=None, presets: dict | None
     run_folder = Path(args.out_dir) if args.resume == "auto" and args.out_dir else None
     resumed = run_folder / "config.yaml" if run_folder and (run_folder / RUN_MARKER).is_file() else None
     config_file = args.config or (str(resumed) if resumed and resumed.is_file() else None)
-    config = load_config(config_file, parser) if config_file else {}
+    config = {}
+    if config_file:
+        from fabric_utils.config_file import load_config
+        config = load_config(config_file, parser)
     parser.set_defaults(**config)
     args = parser.parse_args(argv)
     for flag, defaults in (presets or {}).items():
@@ -204,57 +203,3 @@ class Config(argparse.Namespace):
         raise AttributeError(f"the run's config is read-only: decide {name} before making it")
 
     __delattr__ = __setattr__
-
-
-def load_config(path: str, parser: argparse.ArgumentParser) -> dict:
-    """The flag values in YAML file ``path``, checked and converted by ``parser`` as the same flags given to it."""
-    config = read_yaml(path)
-    if not isinstance(config, dict):
-        raise UserError(f"config file {path} must map flag names to values (as config.yaml does)")
-    actions = {a.dest: a for a in parser._actions}
-    if unknown := sorted(set(config) - set(actions)):
-        raise UserError(f"config file {path} has unknown keys {unknown}")
-    config.pop("config", None)
-    flags = []  # as the command line gives them, for argparse to check and convert
-    for name, value in config.items():
-        options, nargs = actions[name].option_strings, actions[name].nargs
-        if nargs == 0 and isinstance(value, bool):  # a switch: on, or off (--no-X where it has one)
-            flags += options[:1] if value else options[1:]
-        elif isinstance(value, list) and nargs in ("+", "*"):
-            flags += [options[0], *map(str, value)]
-        elif isinstance(value, (list, dict)):
-            raise UserError(f"config file {path}: {name} holds a {type(value).__name__}; it takes one value")
-        elif value is not None:
-            flags.append(f"{options[0]}={value}")
-    checker = copy.copy(parser)
-    checker.exit_on_error = False  # raised, to be said with the file's name
-    try:
-        parsed = checker.parse_args(flags)
-    except argparse.ArgumentError as err:
-        raise UserError(f"config file {path}: {err}") from err
-    return {name: None if value is None else getattr(parsed, name) for name, value in config.items()}
-
-
-class PlainLoader(yaml.SafeLoader):
-    """``yaml.safe_load``'s plain values without anchors and aliases: a few bytes of nested aliases expand to
-    gigabytes wherever the value is printed or copied."""
-
-    def compose_node(self, parent, index):
-        event = self.peek_event()
-        if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None):
-            raise yaml.composer.ComposerError(None, None, "an anchor or alias (& or *); write each value out",
-                                              event.start_mark)
-        return super().compose_node(parent, index)
-
-
-def read_yaml(path: str):
-    """The plain values of YAML file ``path``: one line naming it where it is missing, too big or not plain YAML."""
-    if not os.path.isfile(path):
-        raise UserError(f"config file {path} does not exist")
-    if (size := os.path.getsize(path)) > MAX_CONFIG_BYTES:
-        raise UserError(f"config file {path} has {size} bytes; a config of flags has a few thousand")
-    try:
-        return yaml.load(Path(path).read_text(), Loader=PlainLoader) or {}
-    except (yaml.YAMLError, UnicodeDecodeError) as err:
-        where = f" line {err.problem_mark.line + 1}" if getattr(err, "problem_mark", None) else ""
-        raise UserError(f"config file {path}{where}: not valid YAML ({getattr(err, 'problem', None) or err})") from err

@@ -6,12 +6,12 @@ import contextlib
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from lightning.fabric.strategies import deepspeed as fabric_deepspeed
 from torch import nn
 
 from fabric_utils.args import FSDP2
 from fabric_utils.errors import UserError
-from fabric_utils.pretrained import from_rank0, source_values
 from fabric_utils.private import _BackwardSyncControl, _unwrap_compiled, set_backward_sync_control
 from fabric_utils.sharding import block_classes, full_shape
 
@@ -89,6 +89,19 @@ def load_zero3(model: nn.Module, source: nn.Module | None) -> None:
         from_rank0(buffer, found, name)
 
 
+def source_values(source: nn.Module | None) -> dict[str, torch.Tensor] | None:
+    """Every parameter and buffer by each of its names (tied ones too), non-persistent ones too; None off rank 0."""
+    return None if source is None else {**dict(source.named_parameters(remove_duplicate=False)),
+                                        **dict(source.named_buffers(remove_duplicate=False))}
+
+
+@torch.no_grad()
+def from_rank0(target: torch.Tensor, found: dict[str, torch.Tensor] | None, name: str) -> None:
+    if found is not None:
+        target.copy_(found[name])
+    dist.broadcast(target, src=0)
+
+
 @contextlib.contextmanager
 def without_adam_moments(fabric, state: dict):
     """DeepSpeed writes its optimizer whatever ``state`` holds: without one (``best``), leave out Adam's moments."""
@@ -130,3 +143,14 @@ def cpu_adam():
     from deepspeed.ops.adam import DeepSpeedCPUAdam
 
     return DeepSpeedCPUAdam
+
+
+def pickled_classes() -> list:
+    """What DeepSpeed's model and ZeRO files hold beside tensors, for safe_pickle.py's allow-list."""
+    try:
+        from deepspeed.runtime.fp16.loss_scaler import LossScaler, DynamicLossScaler
+        from deepspeed.runtime.zero.config import ZeroStageEnum
+        from deepspeed.utils.tensor_fragment import fragment_address
+    except ImportError:  # then no DeepSpeed checkpoint can be resumed anyway
+        return []
+    return [ZeroStageEnum, fragment_address, LossScaler, DynamicLossScaler]

@@ -1,7 +1,6 @@
 """The ``lightning.Fabric`` of the launch flags, or of ``fabric run``'s settings, and its processes."""
 
 import contextlib
-import importlib
 import os
 import signal
 import subprocess
@@ -13,23 +12,25 @@ from pathlib import Path
 import torch
 from lightning.fabric import Fabric
 from lightning.fabric.accelerators import ACCELERATOR_REGISTRY
-from lightning.fabric.plugins.environments import ClusterEnvironment, LightningEnvironment
 from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.strategies import ModelParallelStrategy
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
 from fabric_utils import strategy as strategy_in_use
-from fabric_utils.args import FP8, FSDP1, FSDP2, LAUNCH_DEFAULTS, launched_by_cli
+from fabric_utils.args import FP8, FSDP1, FSDP1_OFFLOAD, FSDP2, LAUNCH_DEFAULTS, launched_by_cli
 from fabric_utils.errors import PeerLost, UserError, first_line, lost_a_peer
 from fabric_utils.private import cluster_environment
+from fabric_utils.progress import say
 from fabric_utils.sharding import mixed_precision_policy, shard_blocks
 
 
 def launch(fabric: Fabric) -> None:
     """Fabric step 2: start the processes; under ``fabric run`` they exist already."""
     if not launched_by_cli():
-        join_restarted_torchrun_workers(fabric)
+        if "TORCHELASTIC_RESTART_COUNT" in os.environ:
+            from fabric_utils.other_launchers import join_restarted_torchrun_workers
+            join_restarted_torchrun_workers(fabric)
         fabric.launch()
 
 
@@ -61,21 +62,6 @@ def end_job(fabric: Fabric) -> None:
         torch.distributed.destroy_process_group()
 
 
-def join_restarted_torchrun_workers(fabric: Fabric) -> None:
-    """Workers restarted by ``torchrun --max-restarts`` join under their attempt's key prefix: the store still holds
-    the dead workers' addresses (the restart count is per node, so attempts are counted in the store)."""
-    if "TORCHELASTIC_RESTART_COUNT" not in os.environ or torch.distributed.is_initialized():
-        return
-    store = torch.distributed.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
-    world_size = int(os.environ["WORLD_SIZE"])
-    attempt = (store.add("fabric-template/workers-started", 1) - 1) // world_size
-    if attempt == 0:
-        return
-    torch.distributed.init_process_group("nccl" if fabric.device.type == "cuda" else "gloo",
-                                         store=torch.distributed.PrefixStore(f"attempt-{attempt}", store),
-                                         rank=int(os.environ["RANK"]), world_size=world_size)
-
-
 def resolve_launch_settings(flags: dict) -> dict:
     """The five settings Fabric gets: ``fabric run``'s, else ``flags`` (None: not given), else the defaults."""
     from_cli = {}
@@ -85,6 +71,13 @@ def resolve_launch_settings(flags: dict) -> dict:
     settings = {name: from_cli.get(name, default if flags.get(name) is None else flags[name])
                 for name, default in LAUNCH_DEFAULTS.items()}
     settings["num_nodes"] = int(settings["num_nodes"])
+    if settings["strategy"] == FSDP1_OFFLOAD:
+        raise UserError(f"--strategy {FSDP1_OFFLOAD} ran torch's FSDP1, which this template no longer carries: use "
+                        f"--strategy {FSDP2} (each device holds a share of the model), or a ZeRO offload strategy "
+                        f"(--help lists them) to keep the optimizer state in CPU memory")
+    if settings["strategy"] == FSDP1:  # fully_shard shards as FSDP1 did (FULL_SHARD)
+        say(f"--strategy {FSDP1} runs as --strategy {FSDP2} (torch's fully_shard, which replaces FSDP1)")
+        settings["strategy"] = FSDP2
     if settings["precision"] == "auto":
         settings["precision"] = auto_precision(settings["accelerator"], settings["strategy"])
     if settings["precision"] == FP8:  # Fabric runs the layers left in bf16 autocast
@@ -110,22 +103,7 @@ def cpu_has_fast_bf16(cpuinfo: str | None = None) -> bool:
     return "amx_bf16" in flags or {"AuthenticAMD", "avx512_bf16"} <= flags
 
 
-# launchers whose processes Fabric cannot tell apart from its own, named by the launcher or the job's manifest
-CLUSTER_ENVIRONMENT = "FABRIC_TEMPLATE_CLUSTER"
-CLUSTER_ENVIRONMENTS = {"kubeflow": ("lightning.fabric.plugins.environments", "KubeflowEnvironment"),  # a PyTorchJob
-                        "ray": ("ray.train.lightning", "RayLightningEnvironment")}  # set by scripts/ray_train.py
-
-
-def named_cluster_environment() -> list:
-    """The environment named in ``CLUSTER_ENVIRONMENT`` (none: Fabric detects it), imported only when named."""
-    name = os.environ.get(CLUSTER_ENVIRONMENT)
-    if not name:
-        return []
-    if name not in CLUSTER_ENVIRONMENTS:
-        known = " or ".join(CLUSTER_ENVIRONMENTS)
-        raise UserError(f"{CLUSTER_ENVIRONMENT}={name} is not a launcher this knows: set {known}, or unset it")
-    module, cls = CLUSTER_ENVIRONMENTS[name]
-    return [getattr(importlib.import_module(module), cls)()]
+CLUSTER_ENVIRONMENT = "FABRIC_TEMPLATE_CLUSTER"  # names a launcher whose processes Fabric cannot tell from its own
 
 
 def build_fabric(accelerator=None, devices=None, num_nodes=None, strategy=None, precision=None, grad_clip=0.0,
@@ -133,8 +111,9 @@ def build_fabric(accelerator=None, devices=None, num_nodes=None, strategy=None, 
     """The Fabric of the launch flags (None: not given); a setting Fabric rejects is a one-line ``UserError``."""
     settings = resolve_launch_settings(dict(accelerator=accelerator, devices=devices, num_nodes=num_nodes,
                                             strategy=strategy, precision=precision))
-    if named := named_cluster_environment():
-        fabric_kwargs["plugins"] = [*(fabric_kwargs.get("plugins") or []), *named]
+    if os.environ.get(CLUSTER_ENVIRONMENT):
+        from fabric_utils.other_launchers import named_cluster_environment
+        fabric_kwargs["plugins"] = [*(fabric_kwargs.get("plugins") or []), named_cluster_environment()]
     try:
         strategy = build_strategy(settings, grad_checkpointing)
         if not isinstance(strategy, str):  # Fabric would take `fabric run`'s LT_STRATEGY (in settings) over it
@@ -145,7 +124,10 @@ def build_fabric(accelerator=None, devices=None, num_nodes=None, strategy=None, 
             fabric = Fabric(**{**settings, "strategy": strategy}, **fabric_kwargs)
     except (ValueError, RuntimeError, TypeError, MisconfigurationException) as err:
         raise UserError(f"cannot launch with {settings}: {first_line(err)}") from err
-    check_world_size(cluster_environment(fabric), settings)
+    environment = cluster_environment(fabric)
+    if environment.creates_processes_externally or "WORLD_SIZE" in os.environ:  # another launcher's processes
+        from fabric_utils.other_launchers import check_world_size
+        check_world_size(environment, settings)
     check_precision_supported(settings["precision"], fabric.strategy.precision.precision, fabric.device)
     if precision == FP8:
         from fabric_utils.fp8 import check_fp8_supported
@@ -153,9 +135,7 @@ def build_fabric(accelerator=None, devices=None, num_nodes=None, strategy=None, 
     if engine := strategy_in_use.engine(fabric):
         engine.configure(fabric, settings["strategy"], grad_clip)
     # CPU processes beyond the cores would crawl (torchrun and SLURM placed theirs already)
-    environment = getattr(fabric.strategy, "cluster_environment", None)
-    if (fabric.device.type == "cpu" and environment is not None and not environment.creates_processes_externally
-            and not launched_by_cli()):
+    if fabric.device.type == "cpu" and not environment.creates_processes_externally and not launched_by_cli():
         per_node, cores = fabric.world_size // settings["num_nodes"], len(os.sched_getaffinity(0))
         if per_node > cores:
             raise UserError(f"--devices {settings['devices']}: {per_node} CPU processes on {cores} cores would crawl; "
@@ -164,15 +144,12 @@ def build_fabric(accelerator=None, devices=None, num_nodes=None, strategy=None, 
 
 
 def build_strategy(settings: dict, grad_checkpointing: bool):
-    """The strategy's name, or for fsdp and fsdp2 one that shards, and recomputes, each block as its own unit."""
+    """The strategy's name, or for fsdp2 one that shards, and recomputes, each block as its own unit."""
     name = settings["strategy"]
     if name == FSDP2:
         return ModelParallelStrategy(partial(shard_blocks, grad_checkpointing=grad_checkpointing,
                                              mp_policy=mixed_precision_policy(settings["precision"])),
                                      data_parallel_size=count_processes(settings), tensor_parallel_size=1)
-    if name in FSDP1:
-        from fabric_utils.fsdp1 import fsdp_strategy
-        return fsdp_strategy(name, grad_checkpointing)
     return name
 
 
@@ -184,29 +161,6 @@ def count_processes(settings: dict) -> int:
     devices_of = type(ACCELERATOR_REGISTRY.get(accelerator))
     devices = devices_of.auto_device_count() if settings["devices"] == "auto" else settings["devices"]
     return settings["num_nodes"] * len(devices_of.get_parallel_devices(devices_of.parse_devices(devices)))
-
-
-def check_world_size(environment: ClusterEnvironment, settings: dict) -> None:
-    """Flags that count other processes than a launcher started (torchrun, SLURM, Kubeflow, Ray) give processes wrong
-    ranks, and the run wrong metrics without a word."""
-    counted, lightning = count_processes(settings), type(environment) is LightningEnvironment
-    if lightning and "WORLD_SIZE" in os.environ:  # it counts the flags' processes: a launcher's are in the variable
-        started = int(os.environ["WORLD_SIZE"])
-    elif not lightning and environment.creates_processes_externally:
-        started = environment.world_size()
-    else:
-        return
-    if started != counted:
-        raise UserError(f"{type(environment).__name__} started {started} processes, but --devices {settings['devices']}"
-                        f" x --num-nodes {settings['num_nodes']} count {counted}; pass --devices (processes per node) "
-                        f"and --num-nodes that multiply to {started}")
-    node, local, per_node = environment.node_rank(), environment.local_rank(), counted // settings["num_nodes"]
-    if lightning and "RANK" in os.environ and int(os.environ["RANK"]) != node * per_node + local:
-        raise UserError(f"the launcher made this process rank {os.environ['RANK']} (RANK), but --devices "
-                        f"{settings['devices']} x --num-nodes {settings['num_nodes']} make it rank "
-                        f"{node * per_node + local} (node {node} x {per_node} + local rank {local}); launch through "
-                        f"torchrun, or give Fabric the launcher's cluster environment (docs/launching.md)",
-                        rank=int(os.environ["RANK"]))
 
 
 def check_precision_supported(precision: str, built: str, device: torch.device) -> None:

@@ -2,22 +2,20 @@
 
 import torch
 
-from fabric_utils.sharding import shapes_by_name
+from fabric_utils.sharding import full_shape
 
 
 def build_optimizer(model, name: str, lr: float, weight_decay: float, device: torch.device, cpu_adam=None,
-                    loss_scaling: bool = False, shapes: dict[str, torch.Size] | None = None) -> torch.optim.Optimizer:
-    """AdamW, no decay on biases and norms (by ``shapes`` from before a strategy flattened them), fused where it can
-    (a CPU too); ``adam`` is plain Adam; ``cpu_adam``: the class an optimizer offloaded to the CPU must be
+                    loss_scaling: bool = False) -> torch.optim.Optimizer:
+    """AdamW, no decay on biases and norms (by the shape the model defines, also of a sharded weight), fused where it
+    can (a CPU too); ``adam`` is plain Adam; ``cpu_adam``: the class an optimizer offloaded to the CPU must be
     (``strategy.cpu_optimizer``)."""
     adamw = name == "adamw"
     if adamw:
         decay, no_decay = [], []
-        shapes = shapes and shapes_by_name(model, shapes)
-        for param_name, param in model.named_parameters():
+        for param in model.parameters():
             if param.requires_grad:
-                ndim = len(shapes[param_name]) if shapes else param.ndim
-                (no_decay if ndim < 2 else decay).append(param)
+                (no_decay if len(full_shape(param)) < 2 else decay).append(param)
         params = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     else:
         params = [param for param in model.parameters() if param.requires_grad]

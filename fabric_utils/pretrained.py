@@ -5,7 +5,6 @@ from typing import Callable
 from unittest import mock
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from fabric_utils import strategy
@@ -61,26 +60,10 @@ def parameters_on_meta():
 
 
 def load_pretrained(fabric, model, source: Callable[[], nn.Module]) -> None:
-    """The pretrained values from rank 0 into the set-up fsdp or fsdp2 ``model``'s shards."""
-    module = model._forward_module
+    """The pretrained values from rank 0 into the set-up fsdp2 ``model``'s shards."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
     found = source() if fabric.global_rank == 0 else None
-    if strategy.uses_fsdp2(fabric):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-        set_model_state_dict(module, found.state_dict() if found is not None else {},
-                             options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-    else:
-        from fabric_utils.fsdp1 import load_fsdp
-        load_fsdp(module, found)
+    set_model_state_dict(model._forward_module, found.state_dict() if found is not None else {},
+                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
 
-
-def source_values(source: nn.Module | None) -> dict[str, torch.Tensor] | None:
-    """Every parameter and buffer by each of its names (tied ones too), non-persistent ones too; None off rank 0."""
-    return None if source is None else {**dict(source.named_parameters(remove_duplicate=False)),
-                                        **dict(source.named_buffers(remove_duplicate=False))}
-
-
-@torch.no_grad()
-def from_rank0(target: torch.Tensor, found: dict[str, torch.Tensor] | None, name: str) -> None:
-    if found is not None:
-        target.copy_(found[name])
-    dist.broadcast(target, src=0)

@@ -5,7 +5,7 @@ upgrade this is the module to check (written against lightning 2.6 and torch 2.1
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
 # Lightning's launcher for ``python train.py --devices N``: its children must exit before it kills them
 from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
-# reads FSDP's and FSDP2's sharded checkpoint whole in one process, without a process group (the export)
+# reads fsdp2's sharded checkpoint whole in one process, without a process group (the export)
 from lightning.fabric.utilities.load import _load_distributed_checkpoint
 # the eager module and compile arguments of a compiled one: an engine compiles inside itself, not around it
 from lightning.fabric.wrappers import _unwrap_compiled

@@ -16,7 +16,7 @@ from tqdm import tqdm
 
 from fabric_utils.errors import UserError
 from fabric_utils.private import dynamo_counters
-from fabric_utils.strategy import precision_name
+from fabric_utils.strategy import precision_name, silence_engines
 
 
 @rank_zero_only
@@ -36,8 +36,7 @@ def silence_libraries() -> None:
     # torchao, which transformers imports where installed, lists kernels it cannot load; _pytree, its deprecations
     logging.getLogger("torchao").setLevel(logging.ERROR)
     logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
-    # transformers imports DeepSpeed where installed, whatever the strategy: its accelerator guess is noise
-    logging.getLogger("DeepSpeed").addFilter(lambda record: "Setting accelerator to" not in record.getMessage())
+    silence_engines()
 
 
 def header(fabric, config, spec, max_steps: int, steps_per_epoch: int, out_dir, threads: str, rule) -> str:

@@ -1,4 +1,4 @@
-"""Checkpoint files checked without running code: torch distributed checkpoint and DeepSpeed load with a plain
+"""Checkpoint files checked without running code: torch distributed checkpoint and engines load with a plain
 unpickler, so every pickle is first unpickled here under an allow-list of the classes its format needs."""
 
 import io
@@ -9,10 +9,10 @@ from pathlib import Path
 import torch
 
 from fabric_utils.errors import UserError, first_line
+from fabric_utils.strategy import pickled_classes
 
 # not read as pickles (the RNG files: each rank checks its own, to name itself)
 UNCHECKED = re.compile(r"(.*\.json|latest|zero_to_(fp32|torch)\.py|rng-rank\d+\.pt)$")
-DEEPSPEED_FILES = re.compile(r".*_(model|optim)_states\.pt$")
 DCP_METADATA, DCP_DATA = ".metadata", ".distcp"
 
 
@@ -24,17 +24,6 @@ def _dcp_classes() -> list:
             metadata.TensorStorageMetadata, metadata.BytesStorageMetadata, metadata.ChunkStorageMetadata,
             metadata._MEM_FORMAT_ENCODING, filesystem._StorageInfo, torch.Size, torch.serialization._get_layout,
             Path, type(Path())]
-
-
-def _deepspeed_classes() -> list:
-    """What DeepSpeed's model and ZeRO files hold beside tensors."""
-    try:
-        from deepspeed.runtime.fp16.loss_scaler import LossScaler, DynamicLossScaler
-        from deepspeed.runtime.zero.config import ZeroStageEnum
-        from deepspeed.utils.tensor_fragment import fragment_address
-    except ImportError:  # then no DeepSpeed checkpoint can be resumed anyway
-        return []
-    return [ZeroStageEnum, fragment_address, LossScaler, DynamicLossScaler]
 
 
 class _Restricted(pickle._Unpickler):  # the pure-Python unpickler, whose opcodes can be overridden
@@ -142,4 +131,4 @@ def check_folder(folder: Path) -> None:
         if path.name == DCP_METADATA:
             check_dcp_metadata(path)
         else:
-            load_torch_file(path, classes=_deepspeed_classes() if DEEPSPEED_FILES.match(path.name) else ())
+            load_torch_file(path, classes=pickled_classes(path.name))

@@ -2,7 +2,6 @@
 would save no memory over DDP) and ``--grad-checkpointing`` recomputes; and what strategies need around set-up."""
 
 import torch
-from lightning.fabric.wrappers import is_wrapped
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -68,14 +67,6 @@ def materialize(module: nn.Module, device: torch.device, recurse: bool = True) -
             buffer.copy_(buffers[name])
 
 
-# what wrappers (Fabric, FSDP, activation checkpointing, torch.compile) insert into a parameter's name
-WRAPPER_NAME_PARTS = frozenset({"_forward_module", "_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
-
-
-def unwrapped_name(name: str) -> str:
-    return ".".join(part for part in name.split(".") if part not in WRAPPER_NAME_PARTS)
-
-
 def full_shape(param: nn.Parameter) -> torch.Size:
     """The shape the model defines, also of ZeRO-3's empty partitions."""
     return getattr(param, "ds_shape", param.shape)
@@ -97,14 +88,3 @@ def cast_shards(fabric, model: nn.Module) -> nn.Module:
         fabric.strategy.precision.convert_module(model.float())
     return model
 
-
-def full_shapes(model: nn.Module) -> dict[str, torch.Size]:
-    """Each parameter's shape by its unwrapped name, before FSDP flattens them."""
-    return {unwrapped_name(name): full_shape(param) for name, param in model.named_parameters()}
-
-
-def shapes_by_name(model: nn.Module, shapes: dict[str, torch.Size]) -> dict[str, torch.Size]:
-    """``model``'s parameter names with their ``full_shapes``, found through the module it wraps."""
-    given = model.module if is_wrapped(model) else model
-    before = {id(param): shapes[unwrapped_name(name)] for name, param in given.named_parameters()}
-    return {name: before[id(param)] for name, param in model.named_parameters()}

@@ -1,21 +1,20 @@
 """Speed: worker counts and peak memory."""
 
 import contextlib
-import os
 import resource
 from pathlib import Path
 
 import torch
 from lightning.fabric.utilities.data import suggested_max_num_workers
 
-from fabric_utils.threads import processes_sharing
 
 
-def default_num_workers(fabric) -> int:
-    """Workers only collate: none on a CPU device, whose cores the model uses; else Lightning's suggestion, up to 4."""
-    if fabric.device.type == "cpu":
+def default_num_workers(device: torch.device, sharing: int) -> int:
+    """Workers only collate: none on a CPU device, whose cores the model uses; else Lightning's suggestion for the
+    ``sharing`` processes on these CPUs (``set_threads``), up to 4."""
+    if device.type == "cpu":
         return 0
-    return min(4, suggested_max_num_workers(processes_sharing(fabric, os.sched_getaffinity(0))))
+    return min(4, suggested_max_num_workers(sharing))
 
 
 def peak_memory_mb(device: torch.device) -> float:

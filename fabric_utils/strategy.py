@@ -1,8 +1,10 @@
 """What the strategy in use can do, answered in one place: the only module that looks at a strategy's type."""
 
+import logging
+import re
+
 from lightning.fabric.plugins.precision import DeepSpeedPrecision
-from lightning.fabric.strategies import (DDPStrategy, DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy,
-                                         SingleDeviceStrategy)
+from lightning.fabric.strategies import DDPStrategy, DeepSpeedStrategy, ModelParallelStrategy, SingleDeviceStrategy
 
 from fabric_utils.args import FP8
 
@@ -17,6 +19,20 @@ def engine(fabric):
         return None
     from fabric_utils import deepspeed_engine
     return deepspeed_engine
+
+
+def silence_engines() -> None:
+    """transformers imports DeepSpeed where accelerate is installed, whatever the strategy: its accelerator guess is
+    noise."""
+    logging.getLogger("DeepSpeed").addFilter(lambda record: "Setting accelerator to" not in record.getMessage())
+
+
+def pickled_classes(file_name: str) -> list:
+    """What an engine's checkpoint file holds beside tensors (DeepSpeed's model and ZeRO files), for safe_pickle.py."""
+    if not re.fullmatch(r".*_(model|optim)_states\.pt", file_name):
+        return []
+    from fabric_utils.deepspeed_engine import pickled_classes
+    return pickled_classes()
 
 
 def libraries(fabric) -> tuple[str, ...]:
@@ -42,8 +58,8 @@ def shards_at_build(fabric) -> bool:
 
 
 def checkpoints_blocks(fabric) -> bool:
-    """fsdp and fsdp2 recompute (``--grad-checkpointing``) the blocks they shard; elsewhere the model does."""
-    return isinstance(fabric.strategy, (FSDPStrategy, ModelParallelStrategy))
+    """fsdp2 recomputes (``--grad-checkpointing``) the blocks it shards; elsewhere the model does."""
+    return uses_fsdp2(fabric)
 
 
 def builds_optimizer_after_setup(fabric) -> bool:
@@ -83,7 +99,7 @@ def writes_one_file(fabric) -> bool:
 
 
 def reshards_checkpoints(fabric) -> bool:
-    """fsdp2's sharded checkpoints load on any number of processes; fsdp's and DeepSpeed's do not."""
+    """fsdp2's sharded checkpoints load on any number of processes; DeepSpeed's do not."""
     return uses_fsdp2(fabric)
 
 

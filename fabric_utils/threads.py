@@ -47,14 +47,15 @@ def launcher_sets_threads() -> bool:
     return os.environ.get("LT_CLI_USED") == "1" or "TORCHELASTIC_RUN_ID" in os.environ
 
 
-def set_threads(fabric, requested: int | None) -> str:
-    """Sets torch's intra-op threads; returns the choice, for the header."""
+def set_threads(fabric, requested: int | None) -> tuple[str, int]:
+    """Sets torch's intra-op threads; returns the choice, for the header, and the processes sharing these CPUs (their
+    loader workers divide them too)."""
     sharing = processes_sharing(fabric, os.sched_getaffinity(0))
     threads, why = choose_threads(requested, usable_cpus(), idle_cpus, sharing,
                                   USER_OMP_THREADS, launcher_sets_threads())
     torch.set_num_threads(threads)
     os.environ["OMP_NUM_THREADS"] = str(threads)  # for the processes this one starts
-    return f"{threads} thread{'s' * (threads > 1)} ({why})"
+    return f"{threads} thread{'s' * (threads > 1)} ({why})", sharing
 
 
 def processes_sharing(fabric, cpus: set[int]) -> int:

@@ -88,7 +88,8 @@ def test_reading_list_counts_the_code_lines_a_run_imports(tmp_path):
     assert code_lines(package / "loaders.py") == 3
 
 
-OPTIONAL = {"batch_size", "compiling", "deepspeed_engine", "fabric_run", "flops", "fp8", "resume", "trackers"}
+OPTIONAL = {"batch_size", "compiling", "config_file", "deepspeed_engine", "fabric_run", "flops", "fp8",
+            "other_launchers", "resume", "trackers"}
 
 
 def test_a_run_imports_a_flags_module_only_when_the_flag_asks(tmp_path):

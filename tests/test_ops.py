@@ -21,6 +21,7 @@ from conftest import REPO, build_fabric_from_flags, subprocess_env
 from data.demo import LABELS, prepare_demo
 from fabric_utils.progress import Throughput
 from fabric_utils.speed import default_num_workers
+from fabric_utils.threads import processes_sharing
 import task
 from task import build_model, load_tokenizer
 import train
@@ -93,7 +94,7 @@ def test_loader_workers_count_the_cpus_this_process_may_use(monkeypatch, other_c
         other[1 + torch.tensor(list(other_cpus))] = 1
         return torch.stack([mask, other])
     fabric = SimpleNamespace(device=torch.device("cuda", 0), world_size=2, all_gather=all_gather)
-    assert default_num_workers(fabric) == expected
+    assert default_num_workers(fabric.device, processes_sharing(fabric, os.sched_getaffinity(0))) == expected
 
 
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="Linux: VmHWM")

@@ -1,5 +1,5 @@
-"""A model bigger than one device starts under fsdp, fsdp2 and deepspeed_stage_3 (fabric_utils/pretrained.py): on 2 CPU
-processes (FSDP1 and DeepSpeed through the test-only shims) no rank holds the model whole when it reaches Fabric's
+"""A model bigger than one device starts under fsdp2 and deepspeed_stage_3 (fabric_utils/pretrained.py): on 2 CPU
+processes (DeepSpeed through the test-only shim) no rank holds the model whole when it reaches Fabric's
 set-up, its values are the pretrained model's all the same, and every strategy trains to the same numbers. Each run
 goes through tests/pretrained_probe.py, which records what each rank saw."""
 
@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from conftest import SMALL_DEMO, run, shimmed
 
-SHARDED = ("fsdp", "fsdp2", "deepspeed_stage_3")
+SHARDED = ("fsdp2", "deepspeed_stage_3")
 TWO_CPUS = ["--accelerator", "cpu", "--devices", "2", "--precision", "32-true"]
 # one epoch of 4 steps of 2 x 16 rows; few rows to evaluate: each run's cost is mostly its processes' start-up
 FULL = [*SMALL_DEMO, "--train-size", "128", "--val-size", "16", "--test-size", "16"]
@@ -26,7 +26,7 @@ def probe(root: Path, name: str, strategy: str, flags: list, lr0: bool = False, 
     folder, and each rank's record (in ``root/name-probe``)."""
     out_dir, found = root / (run_dir or name), root / f"{name}-probe"
     env = {"PROBE_OUT": str(found), "PROBE_LR0": "1" if lr0 else "0",
-           **shimmed(FABRIC_TEMPLATE_FSDP_CPU="1", FABRIC_TEMPLATE_DEEPSPEED_CPU="1")}
+           **shimmed(FABRIC_TEMPLATE_DEEPSPEED_CPU="1")}
     with pytest.MonkeyPatch.context() as patch:
         for variable, value in env.items():
             patch.setenv(variable, value)
@@ -100,7 +100,7 @@ def test_a_lora_resume_reads_the_pretrained_base_on_rank_0_alone(runs):
 def test_a_weight_tied_across_modules_is_filled_under_each_of_its_names():
     """ZeRO-3's rank-0 fill looks a parameter up by the name its own module gives it: a weight tied across modules
     (T5's and BART's embeddings) has one per module."""
-    from fabric_utils.pretrained import source_values
+    from fabric_utils.deepspeed_engine import source_values
 
     model = torch.nn.Sequential(torch.nn.Embedding(4, 2), torch.nn.Linear(2, 4))
     model[1].weight = model[0].weight

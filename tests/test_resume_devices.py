@@ -1,7 +1,7 @@
 """A run resumes on another number of devices (a requeued job may come back with fewer) and continues the
 same optimization: the same rows in each optimizer step (accumulation makes up for the missing devices), the same
 schedule and steps, the epoch continued at the same row. DDP's one-file checkpoints and FSDP2's distributed ones load
-on any number of processes; FSDP's and DeepSpeed's shards are refused with one line.
+on any number of processes; DeepSpeed's shards are refused with one line.
 
 Dropout is off: each rank draws its own masks, so masks cannot follow the rows to another number of ranks."""
 
@@ -62,7 +62,7 @@ def test_a_run_resumed_on_another_number_of_devices_ends_where_the_uninterrupted
 
 
 def test_a_checkpoint_that_cannot_be_resharded_is_refused_with_one_line(tmp_path):
-    """A folder of FSDP or DeepSpeed shards written by 2 processes, resumed by 1: refused before anything loads."""
+    """A folder of DeepSpeed shards written by 2 processes, resumed by 1: refused before anything loads."""
     from fabric_utils.resume import load_checkpoint
     from fabric_utils.errors import UserError
     from fabric_utils.launcher import build_fabric

@@ -2,9 +2,9 @@
 predict.py reads is refused with one line before it is read, under every strategy; a checkpoint file changed since it
 was written (same size, one byte) is skipped by --resume auto for the one before it.
 
-One short run per strategy, started together (fsdp and DeepSpeed through the CPU shims); each test plants into
-copies of their checkpoints. The FSDP1 run also shows what FSDP1 hands the optimizer, rather than start a run of its
-own for that."""
+One short run per strategy, started together (DeepSpeed through the CPU shim); each test plants into copies of their
+checkpoints. The fsdp2 run also shows what the optimizer gets of sharded weights, rather than start a run of its own
+for that."""
 
 import io
 import json
@@ -29,7 +29,6 @@ TINY = ["--demo", "--train-size", "64", "--val-size", "16", "--test-size", "16",
         "--accelerator", "cpu", "--keep-best-checkpoint"]
 TWO = ["--devices", "2", "--strategy"]
 STRATEGIES = {"single": ([], {}), "ddp": ([*TWO, "ddp"], {}), "fsdp2": ([*TWO, "fsdp2"], {}),
-              "fsdp": ([*TWO, "fsdp"], {"FABRIC_TEMPLATE_FSDP_CPU": "1"}),
               "deepspeed": ([*TWO, "deepspeed_stage_2", "--precision", "bf16-mixed"],
                             {"FABRIC_TEMPLATE_DEEPSPEED_CPU": "1"})}
 
@@ -107,17 +106,17 @@ def test_a_payload_in_any_checkpoint_file_is_refused_naming_it(runs, tmp_path, s
         assert not marker.exists(), f"{name}: the payload ran"
 
 
-def test_fsdp1_decays_every_matrix_and_nothing_else(runs):
-    """FSDP1 hands the optimizer each parameter as a 1-D slice of its unit's flat shard (or an empty one): a rule by
-    the shape it sees put every weight in the no-decay group."""
+def test_sharded_weights_decay_every_matrix_and_nothing_else(runs):
+    """A sharded rank holds a slice of each weight (a 1-D slice of a flat shard under FSDP1, or an empty one): a rule
+    by the shape the optimizer sees would put weights in the no-decay group."""
     from lightning.fabric.utilities.load import _load_distributed_checkpoint
 
-    checkpoint = _load_distributed_checkpoint(runs / "fsdp" / "checkpoints" / "step-000002" / "state")
+    checkpoint = _load_distributed_checkpoint(runs / "fsdp2" / "checkpoints" / "step-000002" / "state")
     groups = {group["weight_decay"]: set(group["params"]) for group in checkpoint["optimizer"]["param_groups"]}
     shapes = {name: weight.shape for name, weight in checkpoint["model"].items()}
     assert groups[0.01] == {name for name, shape in shapes.items() if len(shape) >= 2}
     assert groups[0.0] == {name for name, shape in shapes.items() if len(shape) < 2}
-    assert (runs / "fsdp" / "model" / "model.safetensors").exists()  # consolidated from FSDP1's shards
+    assert (runs / "fsdp2" / "model" / "model.safetensors").exists()  # consolidated from the shards
 
 
 def test_the_export_reads_best_only_after_checking_it(runs, tmp_path):

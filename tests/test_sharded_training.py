@@ -1,7 +1,7 @@
 """Sharded and mixed-precision paths that used to train silently differently or refuse to start: fsdp2's precision
 under auto and what its collectives move under bf16-mixed (tests/fsdp2_precision_probe.py), the dtype ZeRO accumulates
-in. (FSDP1's weight decay: test_safe_checkpoints.py, on its FSDP1 run; --compile under DeepSpeed: test_deepspeed.py,
-on its probe.)"""
+in. (Sharded weights' decay: test_safe_checkpoints.py, on its fsdp2 run; --compile under DeepSpeed:
+test_deepspeed.py, on its probe.)"""
 
 import json
 import sys

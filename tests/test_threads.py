@@ -64,7 +64,7 @@ def test_set_threads_sets_torchs_threads_and_says_why(monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # restored after
     before = torch.get_num_threads()
     try:
-        assert threads.set_threads(Fabric(accelerator="cpu", devices=1), 1) == "1 thread (--num-threads)"
+        assert threads.set_threads(Fabric(accelerator="cpu", devices=1), 1) == ("1 thread (--num-threads)", 1)
         assert torch.get_num_threads() == 1 and os.environ["OMP_NUM_THREADS"] == "1"
     finally:
         torch.set_num_threads(before)

@@ -39,7 +39,7 @@ def test_the_task_gives_the_loop_what_the_contract_says(job):
     metrics.update(outputs, batch["labels"])
     assert job.objective.best_metric in metrics.compute()
     assert job.objective.is_better(1.0, None)
-    assert block_classes(model)  # the repeated blocks fsdp and fsdp2 shard and --grad-checkpointing recomputes
+    assert block_classes(model)  # the repeated blocks fsdp2 shards and --grad-checkpointing recomputes
     if job.lengths:  # real rows only, never more than the longest
         assert (job.lengths.in_batch(batch) <= job.lengths.longest).all()
     # FLOPs are counted on fake tensors: the example batch must run there

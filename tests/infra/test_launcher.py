@@ -1,5 +1,6 @@
 """The launcher builds the right Fabric pieces from flags, alone and under `fabric run`."""
 
+import os
 import sys
 import typing
 import warnings
@@ -11,13 +12,11 @@ import pytest
 import torch
 from lightning.fabric import Fabric
 from lightning.fabric.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
-from lightning.fabric.strategies import (STRATEGY_REGISTRY, DDPStrategy, DeepSpeedStrategy, FSDPStrategy,
-                                         ModelParallelStrategy)
+from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy, DeepSpeedStrategy, ModelParallelStrategy
 from lightning.fabric.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (CheckpointWrapper,
-                                                                         apply_activation_checkpointing,
-                                                                         checkpoint_wrapper)
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+from torch.distributed.fsdp import FSDPModule
 
 import task
 from conftest import build_fabric_from_flags, fabric_cli, fake_gpu, run
@@ -104,27 +103,37 @@ def test_precision_flags_build_the_plugin(precision, plugin):
     assert fabric.strategy.precision.precision == precision
 
 
-def test_fsdp_without_a_gpu_is_a_user_error():
-    with pytest.raises(UserError, match="FSDP is only available on GPU"):
-        fabric_for("--accelerator", "cpu", "--devices", "2", "--strategy", "fsdp")
+def test_fsdp_runs_as_fsdp2_saying_so_once(capsys):
+    """torch's FSDP1 is gone: Fabric's name for it runs fully_shard, on the same processes, and says so in one line."""
+    fabric = fabric_for("--accelerator", "cpu", "--devices", "2", "--strategy", "fsdp")
+    assert type(fabric.strategy) is ModelParallelStrategy and fabric.world_size == 2
+    assert capsys.readouterr().out.splitlines() == [
+        "--strategy fsdp runs as --strategy fsdp2 (torch's fully_shard, which replaces FSDP1)"]
 
 
-@pytest.mark.gpu
-def test_fsdp_on_gpu_builds_the_strategy():
-    fabric = fabric_for("--accelerator", "cuda", "--devices", "1", "--strategy", "fsdp")
-    assert type(fabric.strategy) is FSDPStrategy
-    assert "auto_wrap_policy" in fabric.strategy._fsdp_kwargs
+def test_fsdp_cpu_offload_is_refused_naming_what_to_pass():
+    with pytest.raises(UserError, match=r"^--strategy fsdp_cpu_offload ran torch's FSDP1, .*: use --strategy fsdp2 "
+                                        r"\(each device holds a share of the model\), or a ZeRO offload strategy"):
+        fabric_for("--accelerator", "cpu", "--devices", "2", "--strategy", "fsdp_cpu_offload")
 
 
-@pytest.mark.gpu
-def test_fsdp_on_gpu_shards_each_block():
-    fabric = fabric_for("--accelerator", "cuda", "--devices", "1", "--strategy", "fsdp", "--precision", "bf16-mixed",
+def test_fsdp2_shards_each_block():
+    """Each block its own unit (one unit for the whole model would save no memory over DDP), recomputed under
+    --grad-checkpointing inside it, then the root."""
+    environ = dict(os.environ)  # launching sets the process group's variables: gone after the test
+    fabric = fabric_for("--accelerator", "cpu", "--devices", "1", "--strategy", "fsdp2", "--precision", "bf16-mixed",
                         "--grad-checkpointing")
-    fabric.launch()
-    model = fabric.setup_module(demo_bert())
-    units = [type(m.module).__name__ for m in model.modules() if type(m).__name__ == "FullyShardedDataParallel"]
-    assert sorted(units) == ["BertEmbeddings", "BertForSequenceClassification", "BertLayer", "BertLayer"]
-    assert sum(isinstance(m, CheckpointWrapper) for m in model.modules()) == 3
+    fabric.launch()  # a process group of one
+    try:
+        model = fabric.setup_module(demo_bert())
+        units = [type(getattr(m, "_checkpoint_wrapped_module", m)).__name__.removeprefix("FSDP")
+                 for m in model.modules() if isinstance(m, FSDPModule)]
+        assert sorted(units) == ["BertEmbeddings", "BertForSequenceClassification", "BertLayer", "BertLayer"]
+        assert sum(isinstance(m, CheckpointWrapper) for m in model.modules()) == 3
+    finally:
+        torch.distributed.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(environ)
 
 
 def test_grad_checkpointing_uses_a_hugging_face_models_own_without_a_warning():
@@ -147,25 +156,6 @@ def demo_bert():
                                                     num_attention_heads=2, intermediate_size=16))
 
 
-def wrapped_by(policy, model) -> list[str]:
-    """The modules ``policy`` picks, as FSDP picks them: torch's recursive wrap over the model (Fabric refuses FSDP
-    itself on a CPU)."""
-    apply_activation_checkpointing(model, checkpoint_wrapper_fn=checkpoint_wrapper, auto_wrap_policy=policy)
-    return sorted(type(m._checkpoint_wrapped_module).__name__
-                  for m in model.modules() if isinstance(m, CheckpointWrapper))
-
-
-@pytest.mark.parametrize("name", ["fsdp", "fsdp_cpu_offload"])
-def test_fsdp_shards_and_checkpoints_each_transformer_block(name):
-    strategy = launcher.build_strategy({"strategy": name}, grad_checkpointing=True)
-    assert type(strategy) is FSDPStrategy
-    assert strategy.cpu_offload.offload_params == (name == "fsdp_cpu_offload")
-    blocks = ["BertEmbeddings", "BertLayer", "BertLayer"]  # its _no_split_modules, two layers
-    assert wrapped_by(strategy._fsdp_kwargs["auto_wrap_policy"], demo_bert()) == blocks
-    assert wrapped_by(strategy._activation_checkpointing_kwargs["auto_wrap_policy"], demo_bert()) == blocks
-    assert launcher.build_strategy({"strategy": name}, grad_checkpointing=False)._activation_checkpointing_kwargs == {}
-
-
 def test_block_classes_without_no_split_modules_are_those_of_the_layer_list():
     from transformers import DistilBertConfig, DistilBertForSequenceClassification
 
@@ -177,7 +167,7 @@ def test_block_classes_without_no_split_modules_are_those_of_the_layer_list():
         block_classes(nn.Linear(2, 2))
 
 
-@pytest.mark.parametrize("strategy, by_model", [("ddp", True), ("fsdp", False), ("fsdp2", False)])
+@pytest.mark.parametrize("strategy, by_model", [("ddp", True), ("fsdp2", False)])
 def test_grad_checkpointing_is_left_to_fsdp(strategy, by_model):
     """Hugging Face's checkpointing conflicts with FSDP, which checkpoints the blocks it shards itself."""
     built = launcher.build_strategy({"strategy": strategy, "accelerator": "cpu", "devices": "2", "num_nodes": 1,
@@ -194,11 +184,11 @@ def test_fsdp2_shards_over_every_process(monkeypatch):
 
 
 def test_fsdp_under_fabric_run_keeps_the_block_policy(monkeypatch):
-    """`fabric run --strategy fsdp`: Fabric must take the configured strategy, not rebuild a plain one from the
-    CLI's LT_STRATEGY (which it reports as a conflict); on a CPU it then refuses FSDP as without the CLI."""
+    """`fabric run --strategy fsdp`: Fabric must take the configured strategy (fsdp2's), not rebuild a plain one from
+    the CLI's LT_STRATEGY (which it reports as a conflict)."""
     fabric_run_env(monkeypatch, accelerator="cpu", devices="2", num_nodes="1", strategy="fsdp")
-    with pytest.raises(UserError, match="FSDP is only available on GPU"):
-        fabric_for()
+    fabric = fabric_for()
+    assert type(fabric.strategy) is ModelParallelStrategy and fabric.strategy._data_parallel_size == 2
 
 
 def test_precision_the_hardware_lacks_is_a_user_error():

@@ -15,10 +15,6 @@ FABRIC_TEMPLATE_COMPILE_EAGER=1 makes every ``torch.compile`` (train.py's --comp
 the aot_eager backend: the graphs, guards, recompiles and forward/backward split Inductor gets, run without its minutes
 of building kernels on a CPU (bench/gpu_check.py's dry run; tests/test_shapes.py compiles with Inductor itself).
 
-FABRIC_TEMPLATE_FSDP_CPU=1 lets Fabric's FSDP strategy (``--strategy fsdp``, torch's FSDP1) run on CPU processes.
-Fabric refuses it unless the accelerator is CUDA, and hands FSDP the device's index, which a CPU device lacks; FSDP1
-then looks for an accelerator and finds none. FSDP1 itself shards, gathers and reduce-scatters CPU tensors over gloo.
-
 Python imports this file at start-up when tests put this folder on PYTHONPATH and set a variable; child processes
 started by Fabric inherit both, and so does every other Python subprocess, such as the one py-cpuinfo starts for
 DeepSpeed's CPU Adam and whose stdout it parses as JSON: naming the accelerator (DS_ACCELERATOR) keeps DeepSpeed's
@@ -108,39 +104,6 @@ if os.environ.get("FABRIC_TEMPLATE_FP16_CPU") == "1":
         connector._Connector._check_and_init_precision = check_and_init_precision
 
     _after_import.add("lightning.fabric.connector", patch_precision)
-
-if os.environ.get("FABRIC_TEMPLATE_FSDP_CPU") == "1":
-
-    def patch_strategy_check(connector):
-        _check_strategy_and_fallback = connector._Connector._check_strategy_and_fallback
-
-        def check_strategy_and_fallback(self):
-            from lightning.fabric.strategies import FSDPStrategy
-
-            accelerator = self._accelerator_flag  # only this check reads it as "cuda"; the accelerator stays the CPU
-            if isinstance(self._strategy_flag, FSDPStrategy) and accelerator == "cpu":
-                self._accelerator_flag = "cuda"
-            try:
-                _check_strategy_and_fallback(self)
-            finally:
-                self._accelerator_flag = accelerator
-
-        connector._Connector._check_strategy_and_fallback = check_strategy_and_fallback
-
-    def patch_fsdp(fsdp_module):
-        import torch
-
-        fsdp_class = fsdp_module.FullyShardedDataParallel
-        _fsdp_init = fsdp_class.__init__
-
-        def fsdp_init(self, module, *args, device_id=None, **kwargs):
-            _fsdp_init(self, module, *args, device_id=torch.device("cpu") if device_id is None else device_id,
-                       **kwargs)
-
-        fsdp_class.__init__ = fsdp_init
-
-    _after_import.add("lightning.fabric.connector", patch_strategy_check)
-    _after_import.add("torch.distributed.fsdp.fully_sharded_data_parallel", patch_fsdp)
 
 if os.environ.get("FABRIC_TEMPLATE_FP8_CPU") == "1":
 
