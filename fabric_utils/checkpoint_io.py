@@ -80,7 +80,7 @@ class Staged(NamedTuple):
 def stage(fabric, state: dict) -> Staged:
     """``state`` as the strategy writes it, without frozen parameters: fsdp2 through torch distributed checkpoint
     (asynchronously, its own gloo group); one process's file (single device, DDP) from a host copy; anything else
-    (DeepSpeed, fsdp) through ``fabric.save``, synchronously."""
+    (DeepSpeed) through ``fabric.save``, synchronously."""
     frozen = bool(frozen_names(state["model"]))
     if strategy.uses_fsdp2(fabric):
         return _stage_sharded(fabric, state, frozen)
