@@ -138,6 +138,11 @@ def setup(args: argparse.Namespace, verbose: bool) -> TaskSpec:
                            lora_target_modules=args.lora_target_modules, pad_token_id=data.tokenizer.pad_token_id,
                            weights=weights)
 
+    base = {}  # LoRA's checkpoints hold the adapters alone: a resume must build them on the same base
+    if args.lora_r:
+        from data.extras import weights_digest
+        base = {"base model weights (SHA-256)": weights_digest(data.model_source)}
+
     def example_batch(rows: int, length: int | None, device) -> dict:  # only the flags that probe the model ask
         from data.extras import make_example_batch
         return make_example_batch(data.tokenizer, objective, rows, length or args.max_length, device)
@@ -152,7 +157,8 @@ def setup(args: argparse.Namespace, verbose: bool) -> TaskSpec:
         fingerprint={"model": "--demo" if args.demo else data.model_source, "labels": data.label_names,
               "problem_type": data.problem_type, "--dataset": "--demo" if args.demo else dataset,
               "--max-length": args.max_length, "--train-size": args.train_size, "--data-seed": data_seed,
-              **({"--class-weights": args.class_weights} if args.class_weights != "none" else {})},
+              **({"--class-weights": args.class_weights} if args.class_weights != "none" else {}),
+              **base},
         # [:] reads a column whole: a datasets Column read row by row takes seconds on 25,000 rows
         lengths=RowLengths(per_split={name: split["length"][:] for name, split in data.splits.items()},
                            in_batch=row_lengths, longest=args.max_length, padded_to=padded_length),

@@ -85,7 +85,9 @@ def main(fabric, flags, out_dir: Path) -> dict:
     def loss_fn(model, batch: dict) -> torch.Tensor:  # a batch's training loss: to count FLOPs, probe, warm up
         return spec.objective.loss(spec.objective.forward(model, batch), batch)
 
-    model, optimizer, torch_optimizer, flops_of, params = build(fabric, flags, spec, loss_fn, fresh=not resume_from)
+    # a checkpoint of the trained part alone (LoRA's adapters) goes on the pretrained model it was trained on
+    model, optimizer, torch_optimizer, flops_of, params = build(
+        fabric, flags, spec, loss_fn, fresh=not resume_from or checkpoint.holds_trained_only(resume_from))
     batch_size = flags.batch_size
     if batch_size == "auto":  # the largest that fits the set-up model, found by real steps at rate 0
         from fabric_utils.batch_size import find_batch_size
@@ -300,7 +302,7 @@ def fit(fabric, config, state: TrainState, loaders, preemption, ckpt_dir, max_st
                     if rule.improves(val, state.best_val):
                         state.best_val, stale = val, 0  # the best model so far is kept as checkpoints/best
                         best = {"model": model, "fingerprint": state.fingerprint, "step": step}
-                        checkpoint.save_checkpoint(fabric, ckpt_dir, "best", best)
+                        checkpoint.save_checkpoint(fabric, ckpt_dir, "best", best, background=config.async_save)
                     else:
                         stale += 1
             stop = preempted or bool(config.early_stop and stale >= config.early_stop)
@@ -308,11 +310,13 @@ def fit(fabric, config, state: TrainState, loaders, preemption, ckpt_dir, max_st
                 state.epoch, state.batch_in_epoch = state.epoch + 1, 0
             if (config.save_every and step % config.save_every == 0) or epoch_ends or stop:
                 with monitor.paused():
-                    checkpoint.save_checkpoint(fabric, ckpt_dir, f"step-{step:06d}", vars(state), config.keep_last)
+                    checkpoint.save_checkpoint(fabric, ckpt_dir, f"step-{step:06d}", vars(state), config.keep_last,
+                                               background=config.async_save)  # training goes on as it is written
                     for logger in fabric.loggers:
                         logger.save()  # the metrics up to this checkpoint survive a kill
             if stop or step >= max_steps:
                 break
+    checkpoint.wait_for_save(fabric)  # the last checkpoint on disk before a preempted run exits or the best is tested
     shown.close()
     return preempted, monitor.stop()
 

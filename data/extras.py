@@ -6,6 +6,7 @@ words of an error about a bad row or a file the reader refused; a hub id (``--da
 
 import contextlib
 import csv
+import hashlib
 import math
 import os
 import re
@@ -183,6 +184,18 @@ def add_lora(model, r: int, alpha: float, dropout: float, target_modules: list[s
 
 
 # ---- the example batch -----------------------------------------------------------------------------------------------
+def weights_digest(source: str) -> str:
+    """The start of the SHA-256 of a model folder's weight files, wherever the folder is (a hub name: the name)."""
+    folder = Path(source)
+    if not folder.is_dir():
+        return source
+    digest = hashlib.sha256()
+    for file in sorted(p for p in folder.iterdir() if p.suffix in (".safetensors", ".bin", ".pt", ".pth")):
+        with open(file, "rb") as f:
+            digest.update(hashlib.file_digest(f, "sha256").digest())
+    return digest.hexdigest()[:16]
+
+
 def make_example_batch(tokenizer, objective, rows: int, length: int, device) -> dict:
     """``rows`` copies of a row of ``length`` tokens as the tokenizer makes them, random words between its special
     tokens (T5 and BART check that each row ends in one end-of-text token), with the attention mask the model gets,

@@ -143,6 +143,8 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     g.add_argument("--early-stop", type=positive_int, help="stop after N validations in a row without improving")
     g.add_argument("--save-every", type=positive_int, help="also checkpoint every N optimizer steps")
     g.add_argument("--keep-last", type=positive_int, default=2, help="keep this many newest step checkpoints")
+    g.add_argument("--no-async-save", dest="async_save", action="store_false",
+                   help="write checkpoints with training stopped (default: in the background, one at a time)")
     g.add_argument("--keep-best-checkpoint", action="store_true",
                    help="keep checkpoints/best after the run (model/ holds its weights)")
     g.add_argument("--resume", help="auto: continue from the newest checkpoint in --out-dir (fresh start if none), "

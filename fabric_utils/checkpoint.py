@@ -16,6 +16,8 @@ import numpy as np
 import torch
 
 from fabric_utils import strategy
+from fabric_utils.checkpoint_io import (check_space, folder_bytes, read_state, say_disk_plan, stage, start,
+                                        wait_for_save)
 from fabric_utils.errors import UserError, first_line
 from fabric_utils.safe_pickle import check_folder
 
@@ -23,6 +25,7 @@ STEP_PATTERN = re.compile(r"^step-(\d+)$")
 MANIFEST = "manifest.json"
 RECORD = "record.json"
 FINGERPRINT = "fingerprint"
+TRAINED_ONLY = "trained_only"  # a record key: the state lacks the frozen parameters
 ROWS_PER_STEP = "rows per optimizer step (--batch-size x devices x --grad-accum)"  # a fingerprint key
 
 
@@ -36,30 +39,37 @@ def rng_state() -> dict:
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
 
 
-def save_checkpoint(fabric, root: Path, tag: str, state: dict, keep_last: int | None = None) -> Path:
-    """Writes ``root/tag`` atomically on all ranks; then keeps only the ``keep_last`` newest step checkpoints."""
+def save_checkpoint(fabric, root: Path, tag: str, state: dict, keep_last: int | None = None,
+                    background: bool = False) -> Path:
+    """Writes ``root/tag`` atomically on all ranks, without frozen parameters; then keeps only the ``keep_last`` newest
+    step checkpoints. ``background``: returns once the state is copied, the write going on (``wait_for_save``)."""
+    wait_for_save(fabric)  # at most one save in flight
     final, tmp = root / tag, root / f".tmp-{tag}"
-    if fabric.is_global_zero and tmp.exists():
-        shutil.rmtree(tmp)  # left by a run killed mid-write
+    if fabric.is_global_zero:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed mid-write
     fabric.barrier()
+    staged = stage(fabric, with_loss_scaler(fabric, state))
+    previous = final if final.exists() else next(reversed(step_checkpoints(root)), None)
+    nbytes = check_space(fabric, root, tag, staged.nbytes, previous if tag.startswith("step-") or final.exists()
+                         else None)
     try:
         tmp.mkdir(parents=True, exist_ok=True)
         engine = strategy.engine(fabric)
         with engine.without_adam_moments(fabric, state) if engine else contextlib.nullcontext():
-            fabric.save(tmp / "state", with_loss_scaler(fabric, state))
+            finish = staged.write(tmp / "state", background)
         torch.save(rng_state(), tmp / f"rng-rank{fabric.global_rank}.pt")
     except OSError as err:
-        if err.errno != errno.ENOSPC:
-            raise
-        shutil.rmtree(tmp, ignore_errors=True)  # the space it took, back
-        intact = step_checkpoints(root)
-        raise UserError(f"the disk under {root} is full: checkpoint {tag} was not written; the newest intact one is "
-                        f"{intact[-1] if intact else 'none'}. Free space (or pass --keep-last 1), then rerun with "
-                        f"--resume auto") from err
-    fabric.barrier()
-    if fabric.is_global_zero:
-        (tmp / RECORD).write_text(json.dumps({"world_size": fabric.world_size, FINGERPRINT: state.get(FINGERPRINT)}))
-        write_manifest(tmp)
+        raise _disk_full(root, tmp, tag, err) from err
+    fabric.barrier()  # every rank's files begun, its RNG streams written
+    record = {"world_size": fabric.world_size, FINGERPRINT: state.get(FINGERPRINT), TRAINED_ONLY: staged.trained_only}
+
+    def commit() -> None:  # rank 0, once the last file has landed
+        try:
+            (tmp / RECORD).write_text(json.dumps(record))
+            write_manifest(tmp)
+        except OSError as err:
+            raise _disk_full(root, tmp, tag, err) from err
         old = root / f".old-{tag}"
         if final.exists():  # "best": the old copy goes only once the new is in place
             final.rename(old)
@@ -69,8 +79,40 @@ def save_checkpoint(fabric, root: Path, tag: str, state: dict, keep_last: int | 
             for stale in step_checkpoints(root)[:-keep_last]:
                 if stale != final:
                     shutil.rmtree(stale)
-    fabric.barrier()
+
+    def land() -> None:  # the rest of this rank's write
+        try:
+            finish()
+        except OSError as err:
+            raise _disk_full(root, tmp, tag, err) from err
+
+    start(fabric, land, commit)
+    if not background:
+        wait_for_save(fabric)
+    if tag.startswith("step-") and not _SAID_DISK_PLAN and fabric.is_global_zero:
+        _SAID_DISK_PLAN.append(tag)
+        say_disk_plan(root, tag, nbytes or folder_bytes(final), keep_last, state["model"], staged.trained_only)
     return final
+
+
+_SAID_DISK_PLAN = []  # the step checkpoint whose line said what the run's checkpoints take: the first
+
+
+def _disk_full(root: Path, tmp: Path, tag: str, err: OSError) -> Exception:
+    """A full disk as one line, the unfinished checkpoint removed; any other error as it is."""
+    if err.errno != errno.ENOSPC:
+        return err
+    shutil.rmtree(tmp, ignore_errors=True)  # the space it took, back
+    intact = step_checkpoints(root)
+    return UserError(f"the disk under {root} is full: checkpoint {tag} was not written; the newest intact one is "
+                     f"{intact[-1] if intact else 'none'}. Free space (or pass --keep-last 1), then rerun with "
+                     f"--resume auto")
+
+
+def holds_trained_only(path: Path) -> bool:
+    """Whether checkpoint ``path`` lacks the frozen parameters: the model it restores is built on its pretrained
+    base."""
+    return bool(read_record(path).get(TRAINED_ONLY))
 
 
 def remove_checkpoint(path: Path) -> None:
@@ -92,7 +134,7 @@ def load_weights(fabric, path: Path, model) -> None:
     state = {"model": model}
     if strategy.uses_zero3(fabric):
         state["optimizer"] = fabric.strategy.model.optimizer  # the engine's ZeRO optimizer
-    fabric.load(path, state)
+    read_state(fabric, path, state, trained_only=holds_trained_only(path.parent))
 
 
 def write_manifest(folder: Path) -> None:

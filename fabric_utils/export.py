@@ -8,6 +8,8 @@ from pathlib import Path
 import torch
 
 from fabric_utils import strategy
+from fabric_utils.checkpoint import holds_trained_only
+from fabric_utils.checkpoint_io import frozen_weights
 from fabric_utils.private import _load_distributed_checkpoint
 
 
@@ -22,13 +24,14 @@ def full_state_dict(state_path: Path) -> dict:
 def export_model(fabric, best_state: Path, out: Path, model: torch.nn.Module, fingerprint: dict,
                  write: Callable[[dict, torch.nn.Module, Path], None] | None = None) -> None:
     """On rank 0, the task's ``write(weights, model, folder)``, else ``model.pt`` and the fingerprint's ``config.json``,
-    into a folder then renamed to ``out``."""
+    into a folder then renamed to ``out``; the frozen weights a trained-only checkpoint leaves out come from ``model``."""
+    frozen = frozen_weights(fabric, model) if holds_trained_only(best_state.parent) else {}
     if fabric.is_global_zero:
         tmp = out.with_name(f".tmp-{out.name}")
         _remove(tmp)
         tmp.mkdir(parents=True)
         engine = strategy.engine(fabric)
-        weights = engine.full_state_dict(best_state) if engine else full_state_dict(best_state)
+        weights = {**frozen, **(engine.full_state_dict(best_state) if engine else full_state_dict(best_state))}
         if write is not None:
             write(weights, model, tmp)
         else:

@@ -9,6 +9,8 @@ from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessS
 from lightning.fabric.utilities.load import _load_distributed_checkpoint
 # the eager module and compile arguments of a compiled one: an engine compiles inside itself, not around it
 from lightning.fabric.wrappers import _unwrap_compiled
+# the torch module and optimizer inside Fabric's wrappers, as fabric.save hands them to a strategy (checkpoint_io.py)
+from lightning.fabric.wrappers import _unwrap_objects
 # per-module activation checkpointing, which FSDP2 and torchtitan use: PyTorch keeps it only in this private module
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     CheckpointWrapper, apply_activation_checkpointing)

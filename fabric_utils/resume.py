@@ -12,8 +12,9 @@ import torch
 from torch.distributed.checkpoint import CheckpointException
 
 from fabric_utils import strategy
-from fabric_utils.checkpoint import (FINGERPRINT, ROWS_PER_STEP, damage, read_record, refusal, step_checkpoints,
-                                     with_loss_scaler)
+from fabric_utils.checkpoint import (FINGERPRINT, ROWS_PER_STEP, TRAINED_ONLY, damage, read_record, refusal,
+                                     step_checkpoints, with_loss_scaler)
+from fabric_utils.checkpoint_io import read_state
 from fabric_utils.errors import UserError, first_line
 from fabric_utils.progress import say
 from fabric_utils.safe_pickle import load_torch_file
@@ -75,7 +76,7 @@ def load_checkpoint(fabric, path: Path, state: dict, expected_fingerprint: dict 
     target = with_loss_scaler(fabric, state)
     live = {key: obj for key, obj in target.items() if hasattr(obj, "load_state_dict")}
     try:
-        fabric.load(path / "state", target, weights_only=True)
+        read_state(fabric, path / "state", target, trained_only=bool(record.get(TRAINED_ONLY)))
     except (Exception, CheckpointException) as err:  # the latter, a BaseException, holds each rank's error
         cause = next(iter(err.failures.values()), (err,))[0] if isinstance(err, CheckpointException) else err
         raise UserError(f"cannot restore checkpoint {path}: {first_line(cause)[:300]} (is it from another model or "

@@ -93,6 +93,11 @@ def keeps_fp32_weights(plugin) -> bool:
     return isinstance(plugin, DeepSpeedPrecision)
 
 
+def writes_one_file(fabric) -> bool:
+    """One process writes the checkpoint's state whole: one device, DDP (a copy of the model on each)."""
+    return isinstance(fabric.strategy, (SingleDeviceStrategy, DDPStrategy)) and not uses_deepspeed(fabric)
+
+
 def reshards_checkpoints(fabric) -> bool:
     """fsdp2's sharded checkpoints load on any number of processes; DeepSpeed's do not."""
     return uses_fsdp2(fabric)

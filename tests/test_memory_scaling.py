@@ -56,11 +56,12 @@ def test_a_sharded_rank_peaks_under_four_fifths_of_a_ddp_rank(runs, strategy):
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
 def test_a_bf16_file_trains_fp32_weights(runs, strategy):
     """Mixed precision computes in bf16 but must update fp32 weights: the model is loaded in
-    the file's dtype and cast (after sharding, under fsdp2), and the checkpoint holds what was trained, the frozen
-    weights too."""
+    the file's dtype and cast (after sharding, under fsdp2), and the checkpoint holds what was trained (the frozen
+    weights come from the model's folder): the adapters, and the head, loaded in bf16 like the rest."""
     from lightning.fabric.utilities.load import _load_distributed_checkpoint
 
     state = runs[strategy][0] / "checkpoints" / "best" / "state"
     weights = (torch.load(state, mmap=True, weights_only=True) if state.is_file()
                else _load_distributed_checkpoint(state))["model"]
+    assert any(".modules_to_save.default." in name for name in weights), weights.keys()
     assert {str(weight.dtype) for weight in weights.values() if weight.is_floating_point()} == {"torch.float32"}

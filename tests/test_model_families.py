@@ -57,9 +57,19 @@ def assert_alone_as_in_a_batch(folder, padding_side: str):
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_family_trains_exports_and_predicts(folders, tmp_path, capsys, family, lora):
+def test_family_trains_exports_and_predicts(folders, tmp_path, capsys, monkeypatch, family, lora):
+    from data import extras
+
     data, models = folders
-    out = tmp_path / "run"
+    out, fresh = tmp_path / "run", {}
+
+    def add_lora(*args, **kwargs):  # the head as LoRA starts training it: checkpoints leave its frozen copy out
+        model = add_lora.wrapped(*args, **kwargs)
+        fresh.update({name: value.detach().clone() for name, value in model.state_dict().items()
+                      if ".modules_to_save.default." in name})
+        return model
+    add_lora.wrapped = extras.add_lora
+    monkeypatch.setattr(extras, "add_lora", add_lora)
     results = train_in_process("--dataset", data, "--model", models[family], "--out-dir", out,
                                "--peak-tflops", "1",  # a CPU's FLOPs are counted only against a peak given
                                *(["--lora-r", "4", "--keep-best-checkpoint"] if lora else []))
@@ -80,10 +90,10 @@ def test_family_trains_exports_and_predicts(folders, tmp_path, capsys, family, l
         state = torch.load(out / "checkpoints" / "best" / "state", weights_only=True)["model"]
         heads = {name: value for name, value in state.items() if ".modules_to_save.default." in name}
         exported = load_file(out / "model" / "model.safetensors")
-        assert heads, "no head among LoRA's trained modules"
+        assert heads and heads.keys() == fresh.keys(), "no head among LoRA's trained modules"
+        assert not any(".original_module." in name or "base_layer" in name for name in state), state.keys()
         for name, value in heads.items():
-            fresh = state[name.replace(".modules_to_save.default.", ".original_module.")]
-            assert not torch.equal(value, fresh), f"{name} did not train"
+            assert not torch.equal(value, fresh[name]), f"{name} did not train"
             plain = name.removeprefix("base_model.model.").replace(".modules_to_save.default", "")
             torch.testing.assert_close(exported[plain], value)
 

@@ -87,9 +87,10 @@ def test_steps_at_learning_rate_0_leave_every_weight_as_loaded(runs, strategy):
         torch.testing.assert_close(exported[name], weight, rtol=0, atol=0, msg=name)
 
 
-def test_a_resume_reads_no_pretrained_model(runs):
+def test_a_lora_resume_reads_the_pretrained_base_on_rank_0_alone(runs):
+    """The checkpoint holds the adapters and the head: the frozen base comes from its source, read once."""
     resumed, first = runs["fsdp2", "resumed"], runs["fsdp2", "lora"]
-    assert [rank["sources"] for rank in resumed["ranks"]] == [0, 0]
+    assert [rank["sources"] for rank in resumed["ranks"]] == [1, 0]
     assert resumed["results"]["test_loss"] == first["results"]["test_loss"]
     for rank in resumed["ranks"]:  # the checkpoint's values, the non-persistent buffers kept from the skeleton
         torch.testing.assert_close(torch.tensor(rank["logits"]), torch.tensor(first["ranks"][0]["source_logits"]))

@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from functools import partial
 from pathlib import Path
 
@@ -74,8 +75,59 @@ def runs(tmp_path_factory):
     plant_damaged_checkpoints(root / "killed" / "checkpoints")
     jobs["killed_resume"] = Job(root / "killed", "--resume", "auto")  # the rest from the folder's config.yaml
     jobs["termed_resume"] = Job(root / "termed", *TINY, "--resume", "auto")
+    for name, signum in (("killed_saving", signal.SIGKILL), ("termed_saving", signal.SIGTERM)):
+        job = jobs[name] = Job(root / name, *TINY, *SAVING)
+        info[f"{name}_in_flight"] = signal_mid_save(job, signum)
+        info[f"{name}_rc"], info[f"{name}_output"] = job.wait(), job.output()
+        info[f"{name}_left"] = sorted(p.name for p in (job.out_dir / "checkpoints").iterdir())
+        jobs[f"{name}_resume"] = Job(root / name, *TINY, *SAVING, "--resume", "auto")
     yield jobs, info
     kill_all(jobs)
+
+
+SAVING = ["--save-every", "1"]  # a save in the background after every step: one is in flight most of the time
+
+
+def signal_mid_save(job: Job, signum: int, timeout=300) -> list[str]:
+    """Sends ``signum`` once a step checkpoint after step 20 is being written (its .tmp- folder seen); returns the
+    unfinished folders seen then."""
+    ckpt, deadline = job.out_dir / "checkpoints", time.monotonic() + timeout
+    while not ((ckpt / "step-000020").exists() and (in_flight := sorted(p.name for p in ckpt.glob(".tmp-step-*")))):
+        assert job.proc.poll() is None, f"the run ended before a save was seen in flight\n{job.output()[-3000:]}"
+        assert time.monotonic() < deadline, "no save seen in flight"
+        time.sleep(0.001)
+    job.proc.send_signal(signum)
+    return in_flight
+
+
+def test_sigkill_during_a_background_save_resumes_from_the_checkpoint_before(runs):
+    """kill -9 while a checkpoint is written in the background: the unfinished one is skipped, the run resumes from
+    the newest whole one and ends as the uninterrupted run."""
+    jobs, info = runs
+    assert info["killed_saving_rc"] == -signal.SIGKILL
+    whole = [name for name in info["killed_saving_left"] if name.startswith("step-")]
+    resumed = jobs["killed_saving_resume"].results()
+    assert resumed_step(jobs["killed_saving_resume"].output()) == int(whole[-1].removeprefix("step-"))
+    unfinished = [name for name in info["killed_saving_left"] if name.startswith(".tmp-step-")]
+    assert all(name.removeprefix(".tmp-") > whole[-1] for name in unfinished)  # what the kill cut short: newer
+    full = jobs["full"].results()
+    for key in COMPARED:
+        assert resumed[key] == pytest.approx(full[key], abs=1e-4), key
+
+
+def test_sigterm_during_a_background_save_completes_it_exits_75_and_resumes_exactly(runs):
+    jobs, info = runs
+    out = info["termed_saving_output"]
+    assert info["termed_saving_rc"] == EXIT_PREEMPTED, out[-3000:]
+    step = int(re.search(r"preempted: saved a checkpoint at step (\d+)", out).group(1))
+    assert info["termed_saving_in_flight"][0].removeprefix(".tmp-") <= f"step-{step:06d}"
+    assert f"step-{step:06d}" in info["termed_saving_left"]
+    assert not [name for name in info["termed_saving_left"] if name.startswith(".")], info["termed_saving_left"]
+    resumed = jobs["termed_saving_resume"].results()
+    assert resumed_step(jobs["termed_saving_resume"].output()) == step
+    full = jobs["full"].results()
+    for key in COMPARED:
+        assert resumed[key] == pytest.approx(full[key], abs=1e-4), key
 
 
 def test_sigkill_mid_epoch_then_resume_auto_matches_uninterrupted(runs):

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from fabric_utils.checkpoint import load_weights, save_checkpoint
+from fabric_utils.checkpoint_io import frozen_weights
 from fabric_utils.deepspeed_engine import compile_in_engine, full_state_dict, prepare_for_setup
 from fabric_utils.launcher import build_fabric, end_job
 from fabric_utils.optim import build_optimizer
@@ -172,9 +173,10 @@ def checkpoints(fabric, root: Path) -> dict | None:
     fresh, _ = build_frozen(fabric)  # train.py's finish(): the best model into the live engine
     load_weights(fabric, root / "best" / "state", fresh)
     reloaded = full_weights(fresh)
+    frozen = frozen_weights(fabric, fresh)  # what export_model adds to the checkpoint, which leaves them out
     if not fabric.is_global_zero:
         return None
-    exported = full_state_dict(root / "best" / "state")
+    exported = {**frozen, **full_state_dict(root / "best" / "state")}
     return {"bytes": {tag: size(root / tag) for tag in ("step-000002", "best")},
             "trainable": sum(param.numel() for param in model.parameters() if param.requires_grad),
             "export_keys": sorted(exported), "missing": sorted(set(trained) - set(exported)),

@@ -1,0 +1,266 @@
+"""How a checkpoint's state reaches the disk and comes back: without the frozen parameters (LoRA's base, which a resume
+rebuilds from its source), written in the background while training goes on (at most one save in flight), and never
+started on a disk that cannot hold it."""
+
+import shutil
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fabric_utils import strategy
+from fabric_utils.errors import UserError
+from fabric_utils.private import _unwrap_compiled, _unwrap_objects
+from fabric_utils.progress import say
+
+META = "meta.pt"  # beside a sharded checkpoint's files: what is not a model or optimizer, as Fabric names it
+
+
+def bare_module(model) -> nn.Module:
+    """The user's module inside Fabric's wrapper and torch.compile's: the names its checkpoints use."""
+    return _unwrap_compiled(getattr(model, "_original_module", model))[0]
+
+
+def frozen_names(model) -> set[str]:
+    """Every name (tied ones too) of the parameters that do not train."""
+    return {name for name, p in bare_module(model).named_parameters(remove_duplicate=False) if not p.requires_grad}
+
+
+class TrainedPart:
+    """A model's state without its frozen parameters, for ``fabric.load``: they stay as the model was built."""
+
+    def __init__(self, model):
+        self.module, self.frozen = bare_module(model), frozen_names(model)
+
+    def state_dict(self) -> dict:
+        return {k: v for k, v in self.module.state_dict().items() if k not in self.frozen}
+
+    def load_state_dict(self, state: dict) -> None:
+        missing, unexpected = self.module.load_state_dict(state, strict=False)
+        if unexpected or set(missing) - self.frozen:
+            raise RuntimeError(f"the checkpoint's weights do not fit the model: missing "
+                               f"{sorted(set(missing) - self.frozen)[:3]}, unexpected {sorted(unexpected)[:3]}")
+
+
+def _cpu_copy(value):
+    """``value`` with every tensor copied to the host: what a background write reads while training changes it."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {k: _cpu_copy(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_cpu_copy(v) for v in value)
+    return value
+
+
+def _nbytes(value) -> int:
+    if isinstance(value, torch.Tensor):
+        local = value.to_local() if hasattr(value, "to_local") else value  # a DTensor: this rank's shard
+        return local.numel() * local.element_size()
+    if isinstance(value, dict):
+        return sum(_nbytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_nbytes(v) for v in value)
+    return 0
+
+
+class Staged(NamedTuple):
+    """A state ready to write: ``nbytes`` on this rank (None: not known before writing), ``write(path, background)``,
+    which starts the write and returns what completes it (to run in a thread: it makes no collective call), and
+    whether it leaves out frozen parameters (``trained_only``)."""
+    nbytes: int | None
+    write: Callable[[Path, bool], Callable[[], None]]
+    trained_only: bool
+
+
+def stage(fabric, state: dict) -> Staged:
+    """``state`` as the strategy writes it, without frozen parameters: fsdp2 through torch distributed checkpoint
+    (asynchronously, its own gloo group); one process's file (single device, DDP) from a host copy; anything else
+    (DeepSpeed) through ``fabric.save``, synchronously."""
+    frozen = bool(frozen_names(state["model"]))
+    if strategy.uses_fsdp2(fabric):
+        return _stage_sharded(fabric, state, frozen)
+    if strategy.writes_one_file(fabric):
+        staged = {key: _cpu_copy(TrainedPart(obj).state_dict() if isinstance(obj, nn.Module)
+                                 else obj.state_dict() if hasattr(obj, "state_dict") else obj)
+                  for key, obj in state.items()} if fabric.is_global_zero else {}
+
+        def write_file(path: Path, background: bool) -> Callable[[], None]:
+            return (lambda: torch.save(staged, path)) if fabric.is_global_zero else (lambda: None)
+        return Staged(_nbytes(staged), write_file, frozen)
+
+    def write_engine(path: Path, background: bool) -> Callable[[], None]:
+        if strategy.uses_deepspeed(fabric):  # what Fabric hands the engine's save_checkpoint
+            fabric.strategy.exclude_frozen_parameters = True
+        fabric.save(path, state)
+        return lambda: None
+    return Staged(None, write_engine, frozen and strategy.uses_deepspeed(fabric))
+
+
+_GROUP = None  # the gloo group of background saves: training's collectives keep the default one
+
+
+def _stage_sharded(fabric, state: dict, frozen: bool) -> Staged:
+    from torch.distributed import checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
+
+    module = bare_module(state["model"])
+    tensors, meta = {}, {}
+    for key, obj in _unwrap_objects(state).items():
+        if isinstance(obj, nn.Module):
+            tensors[key] = get_model_state_dict(module, options=StateDictOptions(ignore_frozen_params=True))
+        elif isinstance(obj, torch.optim.Optimizer):
+            tensors[key] = get_optimizer_state_dict(module, obj)
+        else:
+            meta[key] = _cpu_copy(obj.state_dict() if hasattr(obj, "state_dict") else obj)
+
+    def write(path: Path, background: bool) -> Callable[[], None]:
+        global _GROUP
+        path.mkdir(parents=True, exist_ok=True)
+        if fabric.is_global_zero:
+            torch.save(meta, path / META)
+        if not background:
+            dcp.save(tensors, checkpoint_id=path)
+            return lambda: None
+        if _GROUP is None:
+            _GROUP = dist.new_group(backend="gloo")
+        return dcp.async_save(tensors, checkpoint_id=path, process_group=_GROUP).result
+    return Staged(_nbytes(tensors), write, frozen)
+
+
+def read_state(fabric, path: Path, state: dict, trained_only: bool) -> None:
+    """Fills ``state`` from ``path``, as ``fabric.load`` does; ``trained_only``: the checkpoint lacks the frozen
+    parameters, which keep the values the model was built with."""
+    if strategy.uses_fsdp2(fabric):
+        _read_sharded(path, state, trained_only)
+    elif strategy.uses_deepspeed(fabric):
+        fabric.load(path, state, strict=not trained_only, weights_only=True)  # the engine reads its module file
+    else:
+        target = {k: TrainedPart(v) if trained_only and isinstance(v, nn.Module) else v for k, v in state.items()}
+        fabric.load(path, target, weights_only=True)
+        state.update({k: v for k, v in target.items() if not isinstance(v, TrainedPart)})
+
+
+def _read_sharded(path: Path, state: dict, trained_only: bool) -> None:
+    from torch.distributed import checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict, set_model_state_dict,
+                                                         set_optimizer_state_dict)
+
+    module, plain = bare_module(state["model"]), _unwrap_objects(state)
+    models = [k for k, v in plain.items() if isinstance(v, nn.Module)]
+    optimizers = [k for k, v in plain.items() if isinstance(v, torch.optim.Optimizer)]
+    tensors = {k: get_model_state_dict(module, options=StateDictOptions(ignore_frozen_params=trained_only))
+               for k in models}
+    tensors.update({k: get_optimizer_state_dict(module, plain[k]) for k in optimizers})
+    dcp.load(tensors, checkpoint_id=path)
+    for k in models:
+        set_model_state_dict(module, tensors[k], options=StateDictOptions(strict=not trained_only))
+    for k in optimizers:
+        set_optimizer_state_dict(module, plain[k], tensors[k], options=StateDictOptions(cpu_offload=True))
+    meta = torch.load(path / META, weights_only=True)
+    for key in state.keys() - {*models, *optimizers}:
+        if key not in meta:
+            raise KeyError(f"the checkpoint has no {key!r}")
+        state[key] = meta[key]
+
+
+def frozen_weights(fabric, model) -> dict[str, torch.Tensor]:
+    """The frozen parameters whole on rank 0's host ({} elsewhere): what a checkpoint of the trained part needs beside
+    it for an export (under fsdp2 the whole model, as its names lack the wrappers'; the checkpoint's values override).
+    A collective call."""
+    module, frozen = bare_module(model), frozen_names(model)
+    if not frozen:
+        return {}
+    if strategy.uses_fsdp2(fabric):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if strategy.uses_zero3(fabric):
+        fabric.strategy.model.empty_partition_cache()  # the last forward's prefetched weights: none in flight
+    found = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        if name not in frozen:
+            continue
+        if strategy.uses_zero3(fabric):
+            import deepspeed
+            with deepspeed.zero.GatheredParameters([param]):
+                if fabric.is_global_zero:
+                    found[name] = param.detach().to("cpu", copy=True)
+        elif fabric.is_global_zero:
+            found[name] = param.detach().to("cpu", copy=True)
+    return found
+
+
+_WRITER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-save")  # at most one save in flight
+_IN_FLIGHT: list[Future] = []
+
+
+def start(fabric, finish: Callable[[], None], commit: Callable[[], None]) -> None:
+    """Runs ``finish`` (the last of the write), then on rank 0 ``commit``, in the writer's thread."""
+    def run() -> None:
+        finish()
+        if fabric.is_global_zero:
+            commit()
+    _IN_FLIGHT.append(_WRITER.submit(run))
+
+
+def wait_for_save(fabric) -> None:
+    """Blocks until the save in flight (if any) is on disk on every rank; raises, on every rank, what failed in it."""
+    error = _IN_FLIGHT.pop().exception() if _IN_FLIGHT else None
+    # rank 0 commits, and alone writes one process's file: its error stops every rank
+    failed = fabric.broadcast(None if error is None else (type(error) is UserError, str(error)))
+    if error is not None and type(error) is not UserError:
+        raise error
+    if failed:
+        user_error, message = failed
+        raise UserError(message) if user_error else RuntimeError(f"rank 0 could not save a checkpoint: {message}")
+    fabric.barrier()
+
+
+def check_space(fabric, root: Path, tag: str, nbytes: int | None, previous: Path | None) -> int | None:
+    """The bytes checkpoint ``tag`` will take (``nbytes``, summed over ranks, or else as many as ``previous``, the last
+    of its kind), refused with one line if the disk under ``root`` has fewer free; None if neither is known."""
+    if nbytes is not None:
+        total = int(fabric.all_reduce(torch.tensor(float(nbytes)), reduce_op="sum").item())
+    else:
+        total = folder_bytes(previous) if previous else None
+    refused = None
+    if fabric.is_global_zero and total is not None:
+        free = shutil.disk_usage(root).free
+        if free < total:
+            refused = (f"the disk under {root} has {megabytes(free)} free, less than the {megabytes(total)} checkpoint "
+                       f"{tag} needs: it was not written, and the checkpoints already there are untouched; free space "
+                       f"(or pass --keep-last 1), then rerun with --resume auto")
+    if refused := fabric.broadcast(refused):
+        raise UserError(refused)
+    return total
+
+
+def folder_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def megabytes(nbytes: float) -> str:
+    return next(f"{nbytes / scale:.1f} {unit}" for scale, unit in ((1e9, "GB"), (1e6, "MB"), (1e3, "kB"), (1, "B"))
+                if nbytes >= scale or unit == "B")
+
+
+def model_bytes(model) -> int:
+    """The whole model's parameters (under ZeRO-3 and fsdp2 too): about what an export of its weights takes."""
+    return sum(getattr(p, "ds_numel", p.numel()) * p.element_size() for p in bare_module(model).parameters())
+
+
+def say_disk_plan(root: Path, tag: str, nbytes: int, keep_last: int | None, model, trained_only: bool) -> None:
+    """The first step checkpoint's line: what the run's checkpoints and its export will take, against the free disk."""
+    export = model_bytes(model)
+    kept = f"{keep_last} x {megabytes(nbytes)} (--keep-last)" if keep_last else f"{megabytes(nbytes)} each (all kept)"
+    total = f"~{megabytes((keep_last or 1) * nbytes + nbytes + export)}{'' if keep_last else ' and more'}"
+    what = "what trains only (the frozen base comes from its source)" if trained_only else "the whole model"
+    say(f"checkpoint {tag}: {megabytes(nbytes)}, {what}; the run needs {total} under {root.parent}: step checkpoints "
+        f"{kept}, the best model (at most as much) and the export (~{megabytes(export)}); "
+        f"{megabytes(shutil.disk_usage(root).free)} free")
