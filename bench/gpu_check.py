@@ -27,9 +27,9 @@ Rows, each written as it finishes, by group (``--group``; ``--row`` picks rows b
   BERT-large shape in 32-true and 16-mixed, and the batch ``--batch-size auto`` finds.
 - multi (2+ GPUs): each GPU's memory capped (``torch.cuda.set_per_process_memory_fraction``, by
   ``bench/gpu_cap/sitecustomize.py``) at three quarters of the BERT-large shape's training state (16 bytes a
-  parameter): ddp should run out of memory, fsdp, fsdp2 and ZeRO-3 finish; then at three quarters of its fp32 weights
-  (4 bytes a parameter), where only a strategy that never holds the model whole on a GPU finishes (the offloading
-  ones; fsdp, fsdp2 and ZeRO-3 too from 8 GPUs, where their 16/N bytes fit); ddp (eager and compiled), fsdp, fsdp2,
+  parameter): ddp should run out of memory, fsdp2 and ZeRO-3 finish; then at three quarters of its fp32 weights
+  (4 bytes a parameter), where only a strategy that never holds the model whole on a GPU finishes (ZeRO-3 offload;
+  fsdp2 and ZeRO-3 too from 8 GPUs, where their 16/N bytes fit); ddp (eager and compiled), fsdp2,
   ZeRO-2, ZeRO-3 and ZeRO-3 offload on the MiniLM job, its rows per step split over the GPUs, each to reach the
   one-GPU bf16-mixed row's test accuracy (within 0.02); fp8-mixed under fsdp2; a decoder of Llama-3-8B's width with
   LoRA under fsdp2 and ``--grad-checkpointing``, at as many of its layers as a 64 GiB disk holds the run's files of.
@@ -102,7 +102,7 @@ DRY_WINDOW = {"--skip": 1, "--timed": 3, "--steady": 2, "--profiled": 2}
 # Raschka's recipe: train.py's loop with the article's choices (bench/run_bench.py's first row) in fp16 AMP
 ARTICLE = ["--pad-to-max-length", "--no-group-by-length", "--optimizer", "adam", "--scheduler", "constant",
            "--warmup", "0", "--grad-clip", "0", "--attention-dropout", "model", "--precision", "16-mixed"]
-STRATEGIES = ["ddp", "fsdp", "fsdp2", "deepspeed_stage_2", "deepspeed_stage_3", "deepspeed_stage_3_offload"]
+STRATEGIES = ["ddp", "fsdp2", "deepspeed_stage_2", "deepspeed_stage_3", "deepspeed_stage_3_offload"]
 SHAPES = {  # name: (config class, config); the dry run shrinks both to 2 layers of 64
     "DistilBERT-shaped": ("DistilBertConfig", dict(dim=768, n_layers=6, n_heads=12, hidden_dim=3072)),
     "BERT-large-shaped": ("BertConfig", dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
@@ -327,10 +327,9 @@ def plan(args, sizes: Sizes, work: Path) -> list[Row]:
     # start is what lets a strategy finish; with fewer than 8 GPUs only offloading leaves room under that cap
     for section, bytes_per_param, strategies in [
             ("bigger than one device: memory capped below the training state", 16,
-             ["fsdp", "fsdp2", "deepspeed_stage_3"]),
+             ["fsdp2", "deepspeed_stage_3"]),
             ("bigger than one device: memory capped below the fp32 model", 4,
-             ["fsdp_cpu_offload", "deepspeed_stage_3_offload"] + (["fsdp", "fsdp2", "deepspeed_stage_3"]
-                                                                 if gpus >= 8 else []))]:
+             ["deepspeed_stage_3_offload"] + (["fsdp2", "deepspeed_stage_3"] if gpus >= 8 else []))]:
         for strategy, expect in [("ddp", "out of memory")] + [(name, "finishes") for name in strategies]:
             row = Row(section, strategy, expect=expect, group="multi", expect_s=45)
             if args.dry_run:
