@@ -79,8 +79,8 @@ class Staged(NamedTuple):
 
 def stage(fabric, state: dict) -> Staged:
     """``state`` as the strategy writes it, without frozen parameters: fsdp2 through torch distributed checkpoint
-    (asynchronously, its own gloo group); one process's file (single device, DDP) from a host copy; anything else
-    (DeepSpeed) through ``fabric.save``, synchronously."""
+    (asynchronously, its own gloo group); one process's file (single device, DDP) from a host copy; an engine's own
+    format through ``fabric.save``, synchronously."""
     frozen = bool(frozen_names(state["model"]))
     if strategy.uses_fsdp2(fabric):
         return _stage_sharded(fabric, state, frozen)
@@ -94,11 +94,9 @@ def stage(fabric, state: dict) -> Staged:
         return Staged(_nbytes(staged), write_file, frozen)
 
     def write_engine(path: Path, background: bool) -> Callable[[], None]:
-        if strategy.uses_deepspeed(fabric):  # what Fabric hands the engine's save_checkpoint
-            fabric.strategy.exclude_frozen_parameters = True
         fabric.save(path, state)
         return lambda: None
-    return Staged(None, write_engine, frozen and strategy.uses_deepspeed(fabric))
+    return Staged(None, write_engine, frozen and strategy.leave_frozen_out(fabric))
 
 
 _GROUP = None  # the gloo group of background saves: training's collectives keep the default one
@@ -138,12 +136,12 @@ def read_state(fabric, path: Path, state: dict, trained_only: bool) -> None:
     parameters, which keep the values the model was built with."""
     if strategy.uses_fsdp2(fabric):
         _read_sharded(path, state, trained_only)
-    elif strategy.uses_deepspeed(fabric):
-        fabric.load(path, state, strict=not trained_only, weights_only=True)  # the engine reads its module file
-    else:
+    elif strategy.writes_one_file(fabric):
         target = {k: TrainedPart(v) if trained_only and isinstance(v, nn.Module) else v for k, v in state.items()}
         fabric.load(path, target, weights_only=True)
         state.update({k: v for k, v in target.items() if not isinstance(v, TrainedPart)})
+    else:
+        fabric.load(path, state, strict=not trained_only, weights_only=True)  # the engine reads its module file
 
 
 def _read_sharded(path: Path, state: dict, trained_only: bool) -> None:
@@ -184,15 +182,10 @@ def frozen_weights(fabric, model) -> dict[str, torch.Tensor]:
         fabric.strategy.model.empty_partition_cache()  # the last forward's prefetched weights: none in flight
     found = {}
     for name, param in module.named_parameters(remove_duplicate=False):
-        if name not in frozen:
-            continue
-        if strategy.uses_zero3(fabric):
-            import deepspeed
-            with deepspeed.zero.GatheredParameters([param]):
+        if name in frozen:
+            with strategy.whole(fabric, param):  # one at a time: ZeRO-3 never holds the model whole
                 if fabric.is_global_zero:
                     found[name] = param.detach().to("cpu", copy=True)
-        elif fabric.is_global_zero:
-            found[name] = param.detach().to("cpu", copy=True)
     return found
 
 

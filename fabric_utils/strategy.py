@@ -1,5 +1,6 @@
 """What the strategy in use can do, answered in one place: the only module that looks at a strategy's type."""
 
+import contextlib
 import logging
 import re
 
@@ -42,6 +43,22 @@ def libraries(fabric) -> tuple[str, ...]:
 
 def uses_zero3(fabric) -> bool:
     return uses_deepspeed(fabric) and bool(fabric.strategy.zero_stage_3)
+
+
+def whole(fabric, param):
+    """A context in which ``param`` is whole: ZeRO-3 gathers its partitions; elsewhere it is whole already."""
+    if not uses_zero3(fabric):
+        return contextlib.nullcontext()
+    import deepspeed
+    return deepspeed.zero.GatheredParameters([param])
+
+
+def leave_frozen_out(fabric) -> bool:
+    """Has the engine's own checkpoint leave frozen parameters out, and says whether it does: DeepSpeed's, asked."""
+    if not uses_deepspeed(fabric):
+        return False
+    fabric.strategy.exclude_frozen_parameters = True  # what Fabric hands the engine's save_checkpoint
+    return True
 
 
 def uses_fsdp2(fabric) -> bool:
