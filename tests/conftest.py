@@ -81,19 +81,15 @@ def _at_import(env: dict) -> tuple:
     return tuple(sorted((name, value) for name, value in env.items() if name not in RUN_TIME_VARIABLES))
 
 
-# what a launch sets for the processes it starts; an in-process Fabric sets some in the test's own process
-LAUNCH_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
-                    "MASTER_PORT", "LT_CLI_USED", "LT_STRATEGY", "LT_DEVICES", "LT_NUM_NODES", "LT_PRECISION",
-                    "LT_ACCELERATOR")
-
-
 @pytest.fixture(autouse=True)
 def _launch_state_restored():
     """Each test starts as the worker did: a variable a test's in-process launch left would make the next one read
     another launcher's world (WORLD_SIZE), and a rank it left would silence rank-zero-only loggers."""
     from lightning.fabric.utilities.rank_zero import rank_zero_only
 
-    saved, rank = {name: os.environ.get(name) for name in LAUNCH_VARIABLES}, getattr(rank_zero_only, "rank", None)
+    names = (*LAUNCH_VARIABLES, "LT_CLI_USED", "LT_STRATEGY", "LT_DEVICES", "LT_NUM_NODES", "LT_PRECISION",
+             "LT_ACCELERATOR")  # and what an in-process `fabric run` leaves
+    saved, rank = {name: os.environ.get(name) for name in names}, getattr(rank_zero_only, "rank", None)
     yield
     for name, value in saved.items():
         if value is None:
