@@ -96,7 +96,7 @@ def stage(fabric, state: dict) -> Staged:
     def write_engine(path: Path, background: bool) -> Callable[[], None]:
         fabric.save(path, state)
         return lambda: None
-    return Staged(None, write_engine, frozen and strategy.leave_frozen_out(fabric))
+    return Staged(None, write_engine, frozen and strategy.engine_leaves_frozen_out(fabric))
 
 
 _GROUP = None  # the gloo group of background saves: training's collectives keep the default one

@@ -27,6 +27,7 @@ def configure(fabric, name: str, grad_clip: float) -> None:
     if fabric.strategy.precision.precision.startswith("bf16") and config["zero_optimization"]["stage"] >= 2:
         config.setdefault("data_types", {})["grad_accum_dtype"] = "fp32"
     set_backward_sync_control(fabric.strategy, _AccumulationBoundary())
+    fabric.strategy.exclude_frozen_parameters = True  # checkpoints hold what trains, the engine's too
 
 
 class _AccumulationBoundary(_BackwardSyncControl):

@@ -53,12 +53,9 @@ def whole(fabric, param):
     return deepspeed.zero.GatheredParameters([param])
 
 
-def leave_frozen_out(fabric) -> bool:
-    """Has the engine's own checkpoint leave frozen parameters out, and says whether it does: DeepSpeed's, asked."""
-    if not uses_deepspeed(fabric):
-        return False
-    fabric.strategy.exclude_frozen_parameters = True  # what Fabric hands the engine's save_checkpoint
-    return True
+def engine_leaves_frozen_out(fabric) -> bool:
+    """Whether the engine's own checkpoint leaves frozen parameters out: DeepSpeed's (deepspeed_engine.configure)."""
+    return uses_deepspeed(fabric)
 
 
 def uses_fsdp2(fabric) -> bool:

@@ -6,9 +6,9 @@
 Each trial runs the command after ``--`` with its flags (``--lr ... --out-dir STUDY/trial-N --resume auto``), so every
 rank of a multi-process trial reads the same values: ``python train.py --devices 2``, ``fabric run``, ``srun``,
 torchrun or scripts/ray_train.py. The study lives in STUDY/study.db (SQLite), held by one sweep at a time: the same
-command continues a killed sweep, rerunning its interrupted trials in their own folders from their checkpoints. Trials are
-pruned on the validation metric each writes to its metrics.csv, by killing their process group. Rerun a trial with
-``--config STUDY/trial-N/config.yaml``; STUDY/trials.csv and STUDY/trials.png hold the table and the curves.
+command continues a killed sweep, rerunning its interrupted trials in their own folders from their checkpoints.
+Trials are pruned on the validation metric each writes to its metrics.csv, by killing their process group. Rerun a
+trial with ``--config STUDY/trial-N/config.yaml``; STUDY/trials.csv and STUDY/trials.png hold the table and the curves.
 """
 
 import argparse
