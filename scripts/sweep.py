@@ -215,7 +215,7 @@ def main(argv=None) -> None:
     import optuna
 
     warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)  # retries: stable enough
-    from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
+    from optuna.storages import RetryHeartbeatStaleTrialCallback
     from optuna.study import MaxTrialsCallback
     from optuna.trial import TrialState
 
@@ -227,8 +227,7 @@ def main(argv=None) -> None:
     except filelock.Timeout:
         raise UserError(f"another sweep is running in --study-dir {study_dir}; let it finish, or pass another "
                         f"--study-dir") from None
-    storage = RDBStorage(f"sqlite:///{study_dir / 'study.db'}",
-                         engine_kwargs={"connect_args": {"timeout": 60}})  # trials at once write to one file
+    storage = study_storage(study_dir / "study.db")
     study = optuna.create_study(study_name="sweep", storage=storage, direction=args.direction, load_if_exists=True,
                                 pruner=optuna.pruners.MedianPruner(n_startup_trials=args.startup_trials,
                                                                    n_warmup_steps=args.prune_from_step))
@@ -261,6 +260,18 @@ def main(argv=None) -> None:
     finally:
         trials.kill_all()
     write_report(study, study_dir, args)
+
+
+def study_storage(path: Path):
+    """Optuna's SQLite storage, each transaction holding the write lock from its start: Optuna reads a queued trial's
+    state, then sets it, and two trials at once would otherwise both take the same queued (or rerun) trial."""
+    from optuna.storages import RDBStorage
+    from sqlalchemy import event
+
+    storage = RDBStorage(f"sqlite:///{path}",  # timeout: the trials at once wait for each other's writes
+                         engine_kwargs={"connect_args": {"timeout": 60, "isolation_level": None}})
+    event.listen(storage.engine, "begin", lambda connection: connection.exec_driver_sql("BEGIN IMMEDIATE"))
+    return storage
 
 
 def write_report(study, study_dir: Path, args) -> None:

@@ -2,6 +2,8 @@
 validation metric each trial flushes, survives ``kill -9`` of the sweep (the same command continues it, rerunning the
 interrupted trial in its own folder from its checkpoint) and leaves no process behind."""
 
+import collections
+import importlib.util
 import json
 import os
 import signal
@@ -116,3 +118,24 @@ def test_a_continued_sweep_draws_values_it_has_not_drawn(tmp_path):
     assert [trial.state.name for trial in trials] == ["COMPLETE"] * 4
     assert len({trial.params["lr"] for trial in trials}) == 4
     assert [trial.value for trial in trials] == [trial.params["lr"] for trial in trials]
+
+
+def test_trials_at_once_never_take_the_same_queued_trial(tmp_path):
+    """Optuna reads a queued trial's state, then sets it: on SQLite's default transactions two threads may both take
+    it (optuna#4002), so a trial ran twice in one folder and the sweep crashed; a rerun trial is queued the same way."""
+    spec = importlib.util.spec_from_file_location("sweep", REPO / "scripts" / "sweep.py")
+    sweep_module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep_module)
+    study = optuna.create_study(storage=sweep_module.study_storage(tmp_path / "study.db"))
+    for x in range(24):
+        study.enqueue_trial({"x": float(x)})
+    runs = collections.Counter()
+
+    def objective(trial):
+        runs[trial.number] += 1
+        time.sleep(0.02)
+        return trial.suggest_float("x", 0, 24)
+
+    study.optimize(objective, n_trials=24, n_jobs=8, catch=())
+    assert sorted(runs.values()) == [1] * 24
+    assert sorted(trial.params["x"] for trial in study.trials) == [float(x) for x in range(24)]
