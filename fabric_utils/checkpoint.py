@@ -19,7 +19,7 @@ from fabric_utils import strategy
 from fabric_utils.checkpoint_io import (check_space, folder_bytes, read_state, say_disk_plan, stage, start,
                                         wait_for_save)
 from fabric_utils.errors import UserError, first_line
-from fabric_utils.safe_pickle import check_folder
+from fabric_utils.safe_pickle import refusal
 
 STEP_PATTERN = re.compile(r"^step-(\d+)$")
 MANIFEST = "manifest.json"
@@ -53,23 +53,22 @@ def save_checkpoint(fabric, root: Path, tag: str, state: dict, keep_last: int | 
     previous = final if final.exists() else next(reversed(step_checkpoints(root)), None)
     nbytes = check_space(fabric, root, tag, staged.nbytes, previous if tag.startswith("step-") or final.exists()
                          else None)
-    try:
+    with _one_line_if_disk_full(root, tmp, tag):
         tmp.mkdir(parents=True, exist_ok=True)
         engine = strategy.engine(fabric)
         with engine.without_adam_moments(fabric, state) if engine else contextlib.nullcontext():
             finish = staged.write(tmp / "state", background)
         torch.save(rng_state(), tmp / f"rng-rank{fabric.global_rank}.pt")
-    except OSError as err:
-        raise _disk_full(root, tmp, tag, err) from err
     fabric.barrier()  # every rank's files begun, its RNG streams written
     record = {"world_size": fabric.world_size, FINGERPRINT: state.get(FINGERPRINT), TRAINED_ONLY: staged.trained_only}
 
-    def commit() -> None:  # rank 0, once the last file has landed
-        try:
+    def land() -> None:  # in the writer's thread: the rest of this rank's write, then rank 0 commits it
+        with _one_line_if_disk_full(root, tmp, tag):
+            finish()
+            if not fabric.is_global_zero:
+                return
             (tmp / RECORD).write_text(json.dumps(record))
             write_manifest(tmp)
-        except OSError as err:
-            raise _disk_full(root, tmp, tag, err) from err
         old = root / f".old-{tag}"
         if final.exists():  # "best": the old copy goes only once the new is in place
             final.rename(old)
@@ -80,13 +79,7 @@ def save_checkpoint(fabric, root: Path, tag: str, state: dict, keep_last: int | 
                 if stale != final:
                     shutil.rmtree(stale)
 
-    def land() -> None:  # the rest of this rank's write
-        try:
-            finish()
-        except OSError as err:
-            raise _disk_full(root, tmp, tag, err) from err
-
-    start(fabric, land, commit)
+    start(land)
     if not background:
         wait_for_save(fabric)
     if tag.startswith("step-") and not _SAID_DISK_PLAN and fabric.is_global_zero:
@@ -98,15 +91,19 @@ def save_checkpoint(fabric, root: Path, tag: str, state: dict, keep_last: int | 
 _SAID_DISK_PLAN = []  # the step checkpoint whose line said what the run's checkpoints take: the first
 
 
-def _disk_full(root: Path, tmp: Path, tag: str, err: OSError) -> Exception:
+@contextlib.contextmanager
+def _one_line_if_disk_full(root: Path, tmp: Path, tag: str):
     """A full disk as one line, the unfinished checkpoint removed; any other error as it is."""
-    if err.errno != errno.ENOSPC:
-        return err
-    shutil.rmtree(tmp, ignore_errors=True)  # the space it took, back
-    intact = step_checkpoints(root)
-    return UserError(f"the disk under {root} is full: checkpoint {tag} was not written; the newest intact one is "
-                     f"{intact[-1] if intact else 'none'}. Free space (or pass --keep-last 1), then rerun with "
-                     f"--resume auto")
+    try:
+        yield
+    except OSError as err:
+        if err.errno != errno.ENOSPC:
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)  # the space it took, back
+        intact = step_checkpoints(root)
+        raise UserError(f"the disk under {root} is full: checkpoint {tag} was not written; the newest intact one "
+                        f"is {intact[-1] if intact else 'none'}. Free space (or pass --keep-last 1), then rerun with "
+                        f"--resume auto") from err
 
 
 def holds_trained_only(path: Path) -> bool:
@@ -152,28 +149,32 @@ def damage(path: Path, contents: bool = True) -> str | None:
     """What is wrong with checkpoint folder ``path`` by its manifest (``contents``: hashes and the record's values
     too), or None."""
     try:
-        written = read_manifest(path)
+        written = _read_json(path / MANIFEST)
     except OSError:
         return f"its {MANIFEST} is missing or cannot be read"
     except ValueError as err:
         return f"its {MANIFEST} is not as written: {first_line(err)[:200]}"
-    folder = path.resolve()
+    if not isinstance(written, dict) or not all(isinstance(entry, dict) and type(entry.get("bytes")) is int
+                                                for entry in written.values()):
+        return f"its {MANIFEST} is not a size in bytes and a SHA-256 per file"
+    # names meet only the files found: one outside the folder, or no path at all, is missing
     found = {str(p.relative_to(path)) for p in path.rglob("*") if p.is_file()} - {MANIFEST}
-    for name, (size, digest) in written.items():
+    if missing := sorted(written.keys() - found):
+        return f"{missing[0][:100]} is missing"
+    if extra := sorted(found - written.keys()):
+        return f"{extra[0]} was not written with it"
+    folder = path.resolve()
+    for name, entry in written.items():
         file = path / name
         try:
             if not file.resolve().is_relative_to(folder):
-                return f"its {MANIFEST} names {name}, outside the checkpoint"
-            if not file.is_file():
-                return f"{name} is missing"
-            if (on_disk := file.stat().st_size) != size:
-                return f"{name} has {on_disk} bytes, not the {size} written"
-            if contents and _sha256(file) != digest:
+                return f"{name} links outside the checkpoint"
+            if (on_disk := file.stat().st_size) != entry["bytes"]:
+                return f"{name} has {on_disk} bytes, not the {entry['bytes']} written"
+            if contents and _sha256(file) != entry.get("sha256"):
                 return f"{name} is not the file written (its SHA-256 differs)"
-        except (OSError, RuntimeError) as err:  # the latter: a symlink loop
-            return f"its {MANIFEST} names {name}, which cannot be read ({first_line(err)[:100]})"
-    if extra := sorted(found - written.keys()):
-        return f"{extra[0]} was not written with it"
+        except OSError as err:
+            return f"{name} cannot be read ({first_line(err)[:100]})"
     if contents:  # the record as written (by its hash), then its values
         try:
             read_record(path)
@@ -194,24 +195,6 @@ def _read_json(file: Path):
         raise ValueError("it nests too deep") from err
 
 
-def read_manifest(path: Path) -> dict[str, tuple[int, str]]:
-    """Checkpoint ``path``'s manifest, name -> (bytes, SHA-256); a ValueError saying what is not as written."""
-    files = _read_json(path / MANIFEST)
-    if not isinstance(files, dict):
-        raise ValueError(f"it holds a {type(files).__name__}, not a file per name")
-    written = {}
-    for name, entry in files.items():
-        size, digest = (entry.get("bytes"), entry.get("sha256")) if isinstance(entry, dict) else (None, None)
-        parts = Path(name).parts
-        if (not name or "\0" in name or Path(name).is_absolute() or ".." in parts
-                or any(len(part.encode()) > 255 for part in parts)):
-            raise ValueError(f"it names {name[:100]!r}, not a file inside the checkpoint")
-        if type(size) is not int or size < 0 or not isinstance(digest, str) or not re.fullmatch("[0-9a-f]{64}", digest):
-            raise ValueError(f"its entry for {name[:100]!r} is not a size in bytes and a SHA-256")
-        written[name] = size, digest
-    return written
-
-
 def step_checkpoints(root: Path, report: Callable[[str], None] | None = None) -> list[Path]:
     """Whole step checkpoints under ``root`` (by their manifests: hashes are checked on load), oldest first; ``report``
     is told of each damaged one."""
@@ -224,15 +207,6 @@ def step_checkpoints(root: Path, report: Callable[[str], None] | None = None) ->
         elif report:
             report(f"skipping damaged checkpoint {path}: {problem}")
     return found
-
-
-def refusal(folder: Path) -> str | None:
-    """Why ``folder`` cannot be loaded without running code, or None."""
-    try:
-        check_folder(folder)
-    except UserError as err:
-        return str(err)
-    return None
 
 
 def verify(fabric, folder: Path) -> None:

@@ -10,6 +10,7 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
+from lightning_utilities import apply_to_collection
 from torch import nn
 
 from fabric_utils import strategy
@@ -47,14 +48,9 @@ class TrainedPart:
 
 
 def _cpu_copy(value):
-    """``value`` with every tensor copied to the host: what a background write reads while training changes it."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", copy=True)
-    if isinstance(value, dict):
-        return {k: _cpu_copy(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_cpu_copy(v) for v in value)
-    return value
+    """``value`` with every tensor (and container) copied to the host: what a background write reads while training
+    changes it."""
+    return apply_to_collection(value, torch.Tensor, lambda tensor: tensor.detach().to("cpu", copy=True))
 
 
 def _nbytes(value) -> int:
@@ -102,20 +98,25 @@ def stage(fabric, state: dict) -> Staged:
 _GROUP = None  # the gloo group of background saves: training's collectives keep the default one
 
 
-def _stage_sharded(fabric, state: dict, frozen: bool) -> Staged:
-    from torch.distributed import checkpoint as dcp
+def _sharded(state: dict, trained_only: bool) -> tuple[nn.Module, dict, dict]:
+    """The module, ``state`` out of Fabric's wrappers, and what torch distributed checkpoint writes of it: the model's
+    and each optimizer's state, by parameter name."""
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                          get_optimizer_state_dict)
 
-    module = bare_module(state["model"])
-    tensors, meta = {}, {}
-    for key, obj in _unwrap_objects(state).items():
-        if isinstance(obj, nn.Module):
-            tensors[key] = get_model_state_dict(module, options=StateDictOptions(ignore_frozen_params=True))
-        elif isinstance(obj, torch.optim.Optimizer):
-            tensors[key] = get_optimizer_state_dict(module, obj)
-        else:
-            meta[key] = _cpu_copy(obj.state_dict() if hasattr(obj, "state_dict") else obj)
+    module, plain = bare_module(state["model"]), _unwrap_objects(state)
+    tensors = {"model": get_model_state_dict(module, options=StateDictOptions(ignore_frozen_params=trained_only)),
+               **{k: get_optimizer_state_dict(module, v) for k, v in plain.items()
+                  if isinstance(v, torch.optim.Optimizer)}}
+    return module, plain, tensors
+
+
+def _stage_sharded(fabric, state: dict, frozen: bool) -> Staged:
+    from torch.distributed import checkpoint as dcp
+
+    _, plain, tensors = _sharded(state, trained_only=True)
+    meta = {k: _cpu_copy(v.state_dict() if hasattr(v, "state_dict") else v)
+            for k, v in plain.items() if k not in tensors}
 
     def write(path: Path, background: bool) -> Callable[[], None]:
         global _GROUP
@@ -146,60 +147,43 @@ def read_state(fabric, path: Path, state: dict, trained_only: bool) -> None:
 
 def _read_sharded(path: Path, state: dict, trained_only: bool) -> None:
     from torch.distributed import checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                         get_optimizer_state_dict, set_model_state_dict,
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
                                                          set_optimizer_state_dict)
 
-    module, plain = bare_module(state["model"]), _unwrap_objects(state)
-    models = [k for k, v in plain.items() if isinstance(v, nn.Module)]
-    optimizers = [k for k, v in plain.items() if isinstance(v, torch.optim.Optimizer)]
-    tensors = {k: get_model_state_dict(module, options=StateDictOptions(ignore_frozen_params=trained_only))
-               for k in models}
-    tensors.update({k: get_optimizer_state_dict(module, plain[k]) for k in optimizers})
+    module, plain, tensors = _sharded(state, trained_only)
     dcp.load(tensors, checkpoint_id=path)
-    for k in models:
-        set_model_state_dict(module, tensors[k], options=StateDictOptions(strict=not trained_only))
-    for k in optimizers:
+    set_model_state_dict(module, tensors["model"], options=StateDictOptions(strict=not trained_only))
+    for k in tensors.keys() - {"model"}:
         set_optimizer_state_dict(module, plain[k], tensors[k], options=StateDictOptions(cpu_offload=True))
     meta = torch.load(path / META, weights_only=True)
-    for key in state.keys() - {*models, *optimizers}:
+    for key in state.keys() - tensors.keys():
         if key not in meta:
             raise KeyError(f"the checkpoint has no {key!r}")
-        state[key] = meta[key]
+        if hasattr(state[key], "load_state_dict"):  # in place, as fabric.load restores the scheduler
+            state[key].load_state_dict(meta[key])
+        else:
+            state[key] = meta[key]
 
 
 def frozen_weights(fabric, model) -> dict[str, torch.Tensor]:
-    """The frozen parameters whole on rank 0's host ({} elsewhere): what a checkpoint of the trained part needs beside
-    it for an export (under fsdp2 the whole model, as its names lack the wrappers'; the checkpoint's values override).
-    A collective call."""
+    """The frozen parameters whole on rank 0's host ({} elsewhere), the trained ones beside them (the checkpoint's
+    values override): what a checkpoint of the trained part needs for an export. A collective call."""
     module, frozen = bare_module(model), frozen_names(model)
     if not frozen:
         return {}
-    if strategy.uses_fsdp2(fabric):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-        return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if strategy.uses_zero3(fabric):
-        fabric.strategy.model.empty_partition_cache()  # the last forward's prefetched weights: none in flight
-    found = {}
-    for name, param in module.named_parameters(remove_duplicate=False):
-        if name in frozen:
-            with strategy.whole(fabric, param):  # one at a time: ZeRO-3 never holds the model whole
-                if fabric.is_global_zero:
-                    found[name] = param.detach().to("cpu", copy=True)
-    return found
+        return strategy.engine(fabric).frozen_weights(fabric, module, frozen)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
 _WRITER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-save")  # at most one save in flight
 _IN_FLIGHT: list[Future] = []
 
 
-def start(fabric, finish: Callable[[], None], commit: Callable[[], None]) -> None:
-    """Runs ``finish`` (the last of the write), then on rank 0 ``commit``, in the writer's thread."""
-    def run() -> None:
-        finish()
-        if fabric.is_global_zero:
-            commit()
-    _IN_FLIGHT.append(_WRITER.submit(run))
+def start(land: Callable[[], None]) -> None:
+    """Runs ``land`` (the rest of a save) in the writer's thread; ``wait_for_save`` waits for it."""
+    _IN_FLIGHT.append(_WRITER.submit(land))
 
 
 def wait_for_save(fabric) -> None:

@@ -128,6 +128,21 @@ def without_adam_moments(fabric, state: dict):
         del optimizer.state_dict  # the class's own again
 
 
+def frozen_weights(fabric, module: nn.Module, frozen: set[str]) -> dict[str, torch.Tensor]:
+    """ZeRO-3's frozen parameters whole on rank 0's host ({} elsewhere), gathered one at a time: it never holds the
+    model whole. A collective call."""
+    import deepspeed
+
+    fabric.strategy.model.empty_partition_cache()  # the last forward's prefetched weights: none in flight
+    found = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        if name in frozen:
+            with deepspeed.zero.GatheredParameters([param]):
+                if fabric.is_global_zero:
+                    found[name] = param.detach().to("cpu", copy=True)
+    return found
+
+
 def full_state_dict(state_path: Path) -> dict:
     """ZeRO's fp32 master weights, plus the frozen ones (LoRA's base) it leaves out, whole in its module file."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint

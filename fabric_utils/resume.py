@@ -12,12 +12,12 @@ import torch
 from torch.distributed.checkpoint import CheckpointException
 
 from fabric_utils import strategy
-from fabric_utils.checkpoint import (FINGERPRINT, ROWS_PER_STEP, TRAINED_ONLY, damage, read_record, refusal,
-                                     step_checkpoints, with_loss_scaler)
+from fabric_utils.checkpoint import (FINGERPRINT, ROWS_PER_STEP, TRAINED_ONLY, damage, read_record, step_checkpoints,
+                                     with_loss_scaler)
 from fabric_utils.checkpoint_io import read_state
 from fabric_utils.errors import UserError, first_line
 from fabric_utils.progress import say
-from fabric_utils.safe_pickle import load_torch_file
+from fabric_utils.safe_pickle import load_torch_file, refusal
 
 
 def find_resume_checkpoint(resume: str | None, root: Path, report: Callable[[str], None] = print) -> Path | None:
@@ -74,17 +74,12 @@ def load_checkpoint(fabric, path: Path, state: dict, expected_fingerprint: dict 
                         f"{type(fabric.strategy).__name__} cannot reshard for {fabric.world_size}: resume on "
                         f"{written_by} (ddp and fsdp2 checkpoints resume on any number of devices)")
     target = with_loss_scaler(fabric, state)
-    live = {key: obj for key, obj in target.items() if hasattr(obj, "load_state_dict")}
     try:
         read_state(fabric, path / "state", target, trained_only=bool(record.get(TRAINED_ONLY)))
     except (Exception, CheckpointException) as err:  # the latter, a BaseException, holds each rank's error
         cause = next(iter(err.failures.values()), (err,))[0] if isinstance(err, CheckpointException) else err
         raise UserError(f"cannot restore checkpoint {path}: {first_line(cause)[:300]} (is it from another model or "
                         f"label set, or damaged? start a new --out-dir or pass another --resume)") from err
-    for key, obj in live.items():
-        if target[key] is not obj:  # sharded loads hand the scheduler back as a state_dict
-            obj.load_state_dict(target[key])
-            target[key] = obj
     _check_restored(path, state, target)
     state.update({key: target[key] for key in state})
     rng_file = path / f"rng-rank{fabric.global_rank}.pt"

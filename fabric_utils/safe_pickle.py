@@ -123,12 +123,17 @@ def check_dcp_metadata(path: Path):
         load_torch_file(data_file, value)
 
 
-def check_folder(folder: Path) -> None:
-    """Refuses (one line naming the file and the class) a checkpoint folder with a pickle outside the allow-list."""
-    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
-        if UNCHECKED.match(path.name) or path.suffix == DCP_DATA:  # checked through .metadata
-            continue
-        if path.name == DCP_METADATA:
-            check_dcp_metadata(path)
-        else:
-            load_torch_file(path, classes=pickled_classes(path.name))
+def refusal(folder: Path) -> str | None:
+    """Why checkpoint ``folder`` cannot be loaded without running code (one line naming the file and the class that
+    is not allowed), or None."""
+    try:
+        for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+            if UNCHECKED.match(path.name) or path.suffix == DCP_DATA:  # checked through .metadata
+                continue
+            if path.name == DCP_METADATA:
+                check_dcp_metadata(path)
+            else:
+                load_torch_file(path, classes=pickled_classes(path.name))
+    except UserError as err:
+        return str(err)
+    return None

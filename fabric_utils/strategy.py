@@ -1,6 +1,5 @@
 """What the strategy in use can do, answered in one place: the only module that looks at a strategy's type."""
 
-import contextlib
 import logging
 import re
 
@@ -43,14 +42,6 @@ def libraries(fabric) -> tuple[str, ...]:
 
 def uses_zero3(fabric) -> bool:
     return uses_deepspeed(fabric) and bool(fabric.strategy.zero_stage_3)
-
-
-def whole(fabric, param):
-    """A context in which ``param`` is whole: ZeRO-3 gathers its partitions; elsewhere it is whole already."""
-    if not uses_zero3(fabric):
-        return contextlib.nullcontext()
-    import deepspeed
-    return deepspeed.zero.GatheredParameters([param])
 
 
 def engine_leaves_frozen_out(fabric) -> bool:
