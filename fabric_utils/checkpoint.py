@@ -50,9 +50,8 @@ def save_checkpoint(fabric, root: Path, tag: str, state: dict, keep_last: int | 
         shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed mid-write
     fabric.barrier()
     staged = stage(fabric, with_loss_scaler(fabric, state))
-    previous = final if final.exists() else next(reversed(step_checkpoints(root)), None)
-    nbytes = check_space(fabric, root, tag, staged.nbytes, previous if tag.startswith("step-") or final.exists()
-                         else None)
+    last = final if final.exists() or not tag.startswith("step-") else next(reversed(step_checkpoints(root)), None)
+    nbytes = check_space(fabric, root, tag, staged.nbytes, last)
     with _one_line_if_disk_full(root, tmp, tag):
         tmp.mkdir(parents=True, exist_ok=True)
         engine = strategy.engine(fabric)

@@ -166,8 +166,8 @@ def _read_sharded(path: Path, state: dict, trained_only: bool) -> None:
 
 
 def frozen_weights(fabric, model) -> dict[str, torch.Tensor]:
-    """The frozen parameters whole on rank 0's host ({} elsewhere), the trained ones beside them (the checkpoint's
-    values override): what a checkpoint of the trained part needs for an export. A collective call."""
+    """The frozen parameters whole on rank 0's host ({} elsewhere), outside ZeRO-3 with the trained ones (the
+    checkpoint's values override): what a checkpoint of the trained part needs for an export. A collective call."""
     module, frozen = bare_module(model), frozen_names(model)
     if not frozen:
         return {}
@@ -199,13 +199,14 @@ def wait_for_save(fabric) -> None:
     fabric.barrier()
 
 
-def check_space(fabric, root: Path, tag: str, nbytes: int | None, previous: Path | None) -> int | None:
-    """The bytes checkpoint ``tag`` will take (``nbytes``, summed over ranks, or else as many as ``previous``, the last
-    of its kind), refused with one line if the disk under ``root`` has fewer free; None if neither is known."""
+def check_space(fabric, root: Path, tag: str, nbytes: int | None, last: Path | None) -> int | None:
+    """The bytes checkpoint ``tag`` will take (``nbytes``, summed over ranks, or else as many as ``last``, the last of
+    its kind, if there is one), refused with one line if the disk under ``root`` has fewer free; None if neither is
+    known."""
     if nbytes is not None:
         total = int(fabric.all_reduce(torch.tensor(float(nbytes)), reduce_op="sum").item())
     else:
-        total = folder_bytes(previous) if previous else None
+        total = folder_bytes(last) if last and last.exists() else None
     refused = None
     if fabric.is_global_zero and total is not None:
         free = shutil.disk_usage(root).free
