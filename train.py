@@ -298,7 +298,7 @@ def fit(fabric, config, state: TrainState, loaders, preemption, ckpt_dir, max_st
                 with monitor.paused():  # the throughput clock counts training time only
                     val = validate(fabric, model, loaders["validation"], objective=objective, step=step,
                                    show=shown.note, quiet=config.quiet)
-                    shown.warn_if_stuck(val["loss"], step, max_lr=config.lr)
+                    shown.warn_if_stuck(val["loss"], max_lr=config.lr)
                     if rule.improves(val, state.best_val):
                         state.best_val, stale = val, 0  # the best model so far is kept as checkpoints/best
                         best = {"model": model, "fingerprint": state.fingerprint, "step": step}

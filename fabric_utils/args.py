@@ -196,8 +196,7 @@ class Config(argparse.Namespace):
     """Every value a run uses, read-only: the flags, with ``decided`` for those the run settled itself."""
 
     def __init__(self, flags: argparse.Namespace, **decided):
-        for name, value in {**vars(flags), **decided}.items():
-            object.__setattr__(self, name, value)
+        self.__dict__.update(vars(flags), **decided)  # past __setattr__, which refuses
 
     def __setattr__(self, name: str, value=None) -> None:
         raise AttributeError(f"the run's config is read-only: decide {name} before making it")

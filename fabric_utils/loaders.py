@@ -51,8 +51,8 @@ class TrainBatchSampler(Sampler[list[int]]):
             yield batch[self.rank::self.num_replicas]
 
     def __len__(self) -> int:
-        padded = math.ceil(len(self.lengths) / self.num_replicas) * self.num_replicas
-        return math.ceil(padded / (self.batch_size * self.num_replicas)) - self.start_batch
+        # each rank's rows, padded as global_batches pads them, in batches
+        return math.ceil(math.ceil(len(self.lengths) / self.num_replicas) / self.batch_size) - self.start_batch
 
 
 class EvalBatchSampler(Sampler[list[int]]):

@@ -99,9 +99,8 @@ def at_chance(train_losses: list[float], val_loss: float, chance_loss: dict[str,
 class Progress:
     """Training loss and metrics since the last log step, summed on the device so that only log steps sync."""
 
-    def __init__(self, fabric, total_steps: int, quiet: bool, metrics, steps_per_epoch: int | None = None,
-                 rows_per_step: int | None = None, start_step: int = 0, chance_loss: dict[str, float] | None = None,
-                 losses: list[float] | None = None):
+    def __init__(self, fabric, total_steps: int, quiet: bool, metrics, steps_per_epoch: int, rows_per_step: int,
+                 start_step: int = 0, chance_loss: dict[str, float] | None = None, losses: list[float] | None = None):
         self.fabric = fabric
         # the logged losses for the stuck-at-chance check: a checkpoint's, appended to in place, or new
         self.chance_loss, self.losses = chance_loss, [] if losses is None else losses
@@ -109,22 +108,19 @@ class Progress:
         self.sums = torch.zeros(2, device=fabric.device)  # the loss times its rows, and the rows
         self.skips_overflow = fabric.strategy.precision.precision == "16-mixed"
         self.enabled = fabric.is_global_zero and not quiet
-        self.total, self.rows_per_step = total_steps, rows_per_step
-        self.steps_per_epoch = steps_per_epoch or total_steps
+        self.total, self.steps_per_epoch, self.rows_per_step = total_steps, steps_per_epoch, rows_per_step
         self.start_step, self.step, self.start_time = start_step, start_step, time.monotonic()
-        on_terminal = self.enabled and sys.stdout.isatty()
+        # a bar on a terminal; elsewhere show() prints a line
         self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True,
-                        file=sys.stdout) if on_terminal else None
+                        file=sys.stdout) if self.enabled and sys.stdout.isatty() else None
 
     def update(self, loss: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor) -> None:
-        loss = loss.detach().float()
+        loss, rows = loss.detach().float(), len(labels)
         if self.skips_overflow:  # the scaler skips an overflowed loss's step: leave the loss out too
             finite = torch.isfinite(loss)
-            self.sums[0] += torch.where(finite, loss, 0.0) * len(labels)
-            self.sums[1] += finite * len(labels)
-        else:
-            self.sums[0] += loss * len(labels)
-            self.sums[1] += len(labels)
+            loss, rows = torch.where(finite, loss, 0.0), finite * rows
+        self.sums[0] += loss * rows
+        self.sums[1] += rows
         self.metrics.update(logits.detach(), labels)
 
     def log(self, step: int, lr: float) -> dict:
@@ -148,19 +144,16 @@ class Progress:
         throughput.log(step)
         self.show()
 
-    def stuck_at_chance(self, val_loss: float) -> bool:
-        """At the last step (some runs leave chance late), whether the run has not learned."""
-        if self.chance_loss is None or self.step < self.total:
+    def warn_if_stuck(self, val_loss: float, max_lr: float) -> bool:
+        """At the last step (some runs leave chance late), says so if the run has not learned; returns whether."""
+        chance = self.chance_loss
+        if chance is None or self.step < self.total or not at_chance(self.losses, val_loss, chance):
             return False
-        return at_chance(self.losses, val_loss, self.chance_loss)
-
-    def warn_if_stuck(self, val_loss: float, step: int, max_lr: float) -> None:
-        if self.stuck_at_chance(val_loss):
-            chance = self.chance_loss
-            say(f"the training loss stayed at chance level ({chance['train']:.3g}, or just under: what a model that "
-                f"ignores its inputs scores) over the last quarter of the run, and the validation loss ended there "
-                f"too ({val_loss:.3g} against {chance['validation']:.3g}), up to step {step}: it has not learned; try "
-                f"a lower --lr (now {max_lr:g}) if the loss jumped there at once, else a higher one or more --epochs")
+        say(f"the training loss stayed at chance level ({chance['train']:.3g}, or just under: what a model that "
+            f"ignores its inputs scores) over the last quarter of the run, and the validation loss ended there too "
+            f"({val_loss:.3g} against {chance['validation']:.3g}), up to step {self.step}: it has not learned; try "
+            f"a lower --lr (now {max_lr:g}) if the loss jumped there at once, else a higher one or more --epochs")
+        return True
 
     def show(self) -> None:
         """The last logged step: the bar's numbers, or a line ``step 40/120 (epoch 1/3): loss 0.41, ... left``."""
@@ -174,13 +167,11 @@ class Progress:
             self.bar.update(self.step - self.bar.n)
             self.bar.set_postfix(shown, refresh=True)
             return
-        seconds = time.monotonic() - self.start_time
-        done = self.step - self.start_step
+        seconds, done = time.monotonic() - self.start_time, self.step - self.start_step
+        left = datetime.timedelta(seconds=round(seconds / done * (self.total - self.step)))
         parts = [f"{name} {value}" for name, value in shown.items()]
-        if self.rows_per_step:
-            parts.append(f"{done * self.rows_per_step / seconds:.1f} rows/s")
-        parts.append(f"{datetime.timedelta(seconds=round(seconds / done * (self.total - self.step)))} left")
-        print(f"step {self.step}/{self.total} ({epoch}): " + ", ".join(parts), flush=True)
+        print(f"step {self.step}/{self.total} ({epoch}): {', '.join(parts)}, "
+              f"{done * self.rows_per_step / seconds:.1f} rows/s, {left} left", flush=True)
 
     def note(self, line: str) -> None:
         """A line between log steps, above the bar where there is one."""
@@ -221,26 +212,19 @@ class Throughput:
     @contextlib.contextmanager
     def paused(self):
         start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.paused_s += time.perf_counter() - start
+        yield  # an exception here ends the run, and its clock with it
+        self.paused_s += time.perf_counter() - start
 
     def seconds(self) -> float:
         return time.perf_counter() - self.start_time - self.paused_s
 
-    def count(self, rows: int, sizes: torch.Tensor | None, computed: tuple[int, int | None] | None = None) -> None:
+    def count(self, rows: int, sizes: torch.Tensor | None, computed: tuple[int, int | None]) -> None:
         """``sizes``: each row's, on the host, where the task gives them; ``computed``: the (rows, row size) the
-        device computes, filling rows and padding included (MFU over padded tokens; size None without sizes;
-        None: the rows and sizes counted)."""
+        device computes, filling rows and padding included (MFU over padded tokens; size None without sizes)."""
         real = torch.tensor([rows, 0, 0]) if sizes is None else torch.stack(  # no value read: a tensor op
             (torch.ones_like(sizes).sum(), sizes.sum(), (sizes * sizes).sum()))
-        if computed is None:
-            self.counts += torch.stack((real, real))
-            return
-        filled, size = computed
-        self.counts += torch.stack((real, torch.tensor([filled, 0, 0] if size is None else
-                                                       [filled, filled * size, filled * size * size])))
+        filled, size = computed[0], computed[1] or 0  # no sizes: no tokens
+        self.counts += torch.stack((real, torch.tensor([filled, filled * size, filled * size * size])))
 
     def log(self, step: int) -> dict:
         rows, tokens, tokens_sq = self.counts[0].tolist()

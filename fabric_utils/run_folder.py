@@ -33,8 +33,6 @@ _CHECKED = set()  # folders this process checked (or made) before writing: its t
 def check_run_folder(path: Path, resume: str | None, foreign: bool = True) -> None:
     """Refuses a folder that holds files but no run (no ``RUN_MARKER``; ``foreign``: its files may be a user's), and,
     without ``--resume``, a run's that holds checkpoints or results."""
-    if path.exists() and not path.is_dir():
-        raise UserError(f"cannot write to output folder {path} (it is a file); pass a writable --out-dir")
     held = sorted(p.name for p in path.iterdir() if p.name != LOCK_FILE) if path.is_dir() else []
     if foreign and held and RUN_MARKER not in held:
         raise UserError(f"--out-dir {path} holds files that are not a run's ({', '.join(held[:3])}"
@@ -88,11 +86,9 @@ def proposed_run_folder(out_dir: str | None, resume: str | None, temporary: bool
     made = None
     if temporary and RUN_DIR_ENV not in os.environ:
         made = os.environ[RUN_DIR_ENV] = tempfile.mkdtemp(prefix="fabric-template-check-")
-    if _first_process() and (given := out_dir or os.environ.get(RUN_DIR_ENV)):
-        check_run_folder(Path(given), resume)  # early, before the processes start
-        _CHECKED.add(Path(given).resolve())
     path, created = claim_out_dir(out_dir)
-    if created:
+    if _first_process():
+        check_run_folder(path, resume)  # early, before the processes start
         _CHECKED.add(path.resolve())
     try:
         yield path
@@ -110,20 +106,24 @@ def locked_run_folder(fabric, proposed: Path, resume: str | None):
     """Rank 0's proposed folder, locked by rank 0 for the run's life (the OS drops the lock with a killed process)
     and checked under the lock; a start that fails removes only what it wrote there, unless it checkpointed."""
     out_dir = Path(fabric.broadcast(str(proposed)))
-    path, lock, refused, before = out_dir / LOCK_FILE, None, None, set()
+    lock, refused, before = None, None, set()
     if fabric.is_global_zero:
-        lock, refused = _lock(path)
-        if lock is not None:
-            try:
-                check_run_folder(out_dir, resume, foreign=out_dir.resolve() not in _CHECKED)
-                before = set(os.listdir(out_dir))
-                if RUN_MARKER not in before:
-                    (out_dir / RUN_MARKER).write_text("a fabric-template run's folder: train.py --resume auto "
-                                                      "continues it\n")
-            except (UserError, OSError) as err:
-                refused = str(err) if isinstance(err, UserError) else f"cannot write to {out_dir} ({err.strerror})"
-                _unlock(path, lock)
-                lock = None
+        lock = FileLock(out_dir / LOCK_FILE, timeout=0, fallback_to_soft=False)  # flock: no stale lock outlives a run
+        try:
+            lock.acquire()
+            check_run_folder(out_dir, resume, foreign=out_dir.resolve() not in _CHECKED)
+            before = set(os.listdir(out_dir))
+            if RUN_MARKER not in before:
+                (out_dir / RUN_MARKER).write_text("a fabric-template run's folder: train.py --resume auto "
+                                                  "continues it\n")
+        except Timeout:  # before OSError, which it is
+            refused = f"another run is using --out-dir {out_dir} right now; let it finish, or pass another --out-dir"
+        except UserError as err:
+            refused = str(err)
+        except OSError as err:
+            refused = f"cannot write to output folder {out_dir} ({err.strerror}); pass a writable --out-dir"
+        if refused:
+            _unlock(lock)
     if refused := fabric.broadcast(refused):
         raise UserError(refused)
     try:
@@ -134,25 +134,14 @@ def locked_run_folder(fabric, proposed: Path, resume: str | None):
         raise
     finally:
         if lock is not None:
-            _unlock(path, lock)
+            _unlock(lock)
 
 
-def _lock(path: Path) -> tuple[FileLock | None, str | None]:
-    """``path`` locked, or None and why not: another process holds it, or the folder cannot be written."""
-    lock = FileLock(path, timeout=0, fallback_to_soft=False)  # flock: no stale lock outlives a killed run
-    try:
-        lock.acquire()
-    except Timeout:
-        return None, (f"another run is using --out-dir {path.parent} right now; let it finish, or pass another "
-                      f"--out-dir")
-    except OSError as err:
-        return None, f"cannot write to output folder {path.parent} ({err.strerror}); pass a writable --out-dir"
-    return lock, None
-
-
-def _unlock(path: Path, lock: FileLock) -> None:
-    path.unlink(missing_ok=True)  # before the lock goes: a run starting now locks a new file
-    lock.release()
+def _unlock(lock: FileLock) -> None:
+    """Releases the lock if this process holds it, its file removed first: a run starting now locks a new one."""
+    if lock.is_locked:
+        Path(lock.lock_file).unlink(missing_ok=True)
+        lock.release()
 
 
 def _remove_new(folder: Path, before: set) -> None:

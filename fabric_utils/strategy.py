@@ -53,10 +53,6 @@ def uses_fsdp2(fabric) -> bool:
     return isinstance(fabric.strategy, ModelParallelStrategy)  # --strategy fsdp2 (launcher.py)
 
 
-def deepspeed_config(fabric) -> dict:
-    return fabric.strategy.config if uses_deepspeed(fabric) else {}
-
-
 def shards_at_build(fabric) -> bool:
     """Each rank holds a share of each weight, so it builds an empty skeleton."""
     return checkpoints_blocks(fabric) or uses_zero3(fabric)
@@ -84,8 +80,8 @@ def scales_loss(fabric) -> bool:
 
 def offloads_optimizer(fabric) -> bool:
     """ZeRO-Offload, which accepts only DeepSpeed's own CPU optimizers."""
-    offload = deepspeed_config(fabric).get("zero_optimization", {}).get("offload_optimizer", {})
-    return offload.get("device") in ("cpu", "nvme")
+    config = fabric.strategy.config if uses_deepspeed(fabric) else {}
+    return config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device") in ("cpu", "nvme")
 
 
 def cpu_optimizer(fabric):

@@ -202,7 +202,7 @@ def _log_on_rank(rank: int, port: int, results):
                       LOCAL_RANK=str(rank), NODE_RANK="0")
     fabric = Fabric(accelerator="cpu", devices=2, strategy="ddp")
     fabric.launch()
-    progress = Progress(fabric, total_steps=1, quiet=True,
+    progress = Progress(fabric, total_steps=1, quiet=True, steps_per_epoch=1, rows_per_step=8,
                         metrics=ClassifierObjective("single_label", num_labels=2).make_metrics())
     loss = torch.tensor(float("nan") if rank == 1 else 0.5)  # only rank 1 diverged
     progress.update(loss, torch.zeros(4, 2), torch.zeros(4, dtype=torch.long))
@@ -242,16 +242,16 @@ def test_a_run_is_stuck_only_if_its_validation_loss_ends_at_chance_too():
     from task import ClassifierObjective
 
     def progress_at(loss: float) -> Progress:
-        progress = Progress(Fabric(accelerator="cpu", devices=1), total_steps=8, quiet=True,
-                            metrics=ClassifierObjective("single_label", num_labels=2).make_metrics(),
+        progress = Progress(Fabric(accelerator="cpu", devices=1), total_steps=8, quiet=True, steps_per_epoch=8,
+                            rows_per_step=4, metrics=ClassifierObjective("single_label", num_labels=2).make_metrics(),
                             chance_loss={"train": 0.693, "validation": 0.690})
         for step in range(1, 9):
-            assert not progress.stuck_at_chance(val_loss=0.69)  # not before the end
+            assert not progress.warn_if_stuck(val_loss=0.69, max_lr=1e-3)  # not before the end
             progress.update(torch.tensor(loss), torch.zeros(4, 2), torch.zeros(4, dtype=torch.long))
             progress.log(step, lr=1e-3)
         return progress
 
     at_chance = progress_at(0.693)
-    assert at_chance.stuck_at_chance(val_loss=0.69) and not at_chance.stuck_at_chance(val_loss=0.65)
-    assert progress_at(0.67).stuck_at_chance(val_loss=0.69)  # just under chance: a stalled run
-    assert not progress_at(0.6).stuck_at_chance(val_loss=0.69)  # the training loss left chance
+    assert at_chance.warn_if_stuck(val_loss=0.69, max_lr=1e-3) and not at_chance.warn_if_stuck(0.65, max_lr=1e-3)
+    assert progress_at(0.67).warn_if_stuck(val_loss=0.69, max_lr=1e-3)  # just under chance: a stalled run
+    assert not progress_at(0.6).warn_if_stuck(val_loss=0.69, max_lr=1e-3)  # the training loss left chance

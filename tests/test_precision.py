@@ -94,7 +94,8 @@ def test_a_batch_whose_loss_overflowed_is_left_out_of_the_logged_loss():
     fabric = SimpleNamespace(device=torch.device("cpu"), is_global_zero=True, log_dict=lambda logged, step: None,
                              all_reduce=lambda tensor, reduce_op: tensor,
                              strategy=SimpleNamespace(precision=SimpleNamespace(precision="16-mixed")))
-    progress = Progress(fabric, total_steps=4, quiet=True, metrics=MetricCollection({"mse": MeanSquaredError()}))
+    progress = Progress(fabric, total_steps=4, quiet=True, metrics=MetricCollection({"mse": MeanSquaredError()}),
+                        steps_per_epoch=4, rows_per_step=6)
     for loss in (1.0, float("inf"), 3.0):
         progress.update(torch.tensor(loss), torch.zeros(2), torch.zeros(2))
     assert progress.log(step=3, lr=0.1)["train/loss"] == 2.0

@@ -72,7 +72,8 @@ def main():
     if args.resume:
         load_checkpoint(fabric, agreed_resume_checkpoint(fabric, "auto", ckpt_dir), state,
                         expected_fingerprint={"job": "plain"})
-    progress = Progress(fabric, args.steps, quiet=True, metrics=MetricCollection({"mse": MeanSquaredError()}))
+    progress = Progress(fabric, args.steps, quiet=True, metrics=MetricCollection({"mse": MeanSquaredError()}),
+                        steps_per_epoch=args.steps, rows_per_step=16 * fabric.world_size)
     monitor = Throughput(fabric, peak_tflops=1.0, flops_of=flops_of, sized=False)
     monitor.start(state["step"])
     while state["step"] < args.steps:
@@ -89,7 +90,7 @@ def main():
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         progress.update(loss, prediction, targets)
-        monitor.count(len(targets), None)
+        monitor.count(len(targets), None, computed=(len(targets), None))
         state["step"] += 1
         logged = progress.log(state["step"], scheduler.get_last_lr()[0])
         monitor.log(state["step"])
