@@ -59,6 +59,9 @@ def save_checkpoint(fabric, root: Path, tag: str, state: dict, keep_last: int | 
             finish = staged.write(tmp / "state", background)
         torch.save(rng_state(), tmp / f"rng-rank{fabric.global_rank}.pt")
     fabric.barrier()  # every rank's files begun, its RNG streams written
+    if tag.startswith("step-") and not _SAID_DISK_PLAN and fabric.is_global_zero:
+        _SAID_DISK_PLAN.append(tag)  # an engine's size is known once written: its files are in ``tmp`` by now
+        say_disk_plan(root, tag, nbytes or folder_bytes(tmp), keep_last, state["model"], staged.trained_only)
     record = {"world_size": fabric.world_size, FINGERPRINT: state.get(FINGERPRINT), TRAINED_ONLY: staged.trained_only}
 
     def land() -> None:  # in the writer's thread: the rest of this rank's write, then rank 0 commits it
@@ -81,9 +84,6 @@ def save_checkpoint(fabric, root: Path, tag: str, state: dict, keep_last: int | 
     start(land)
     if not background:
         wait_for_save(fabric)
-    if tag.startswith("step-") and not _SAID_DISK_PLAN and fabric.is_global_zero:
-        _SAID_DISK_PLAN.append(tag)
-        say_disk_plan(root, tag, nbytes or folder_bytes(final), keep_last, state["model"], staged.trained_only)
     return final
 
 

@@ -4,6 +4,7 @@ models, one with frozen weights as LoRA leaves them."""
 
 import functools
 import json
+import re
 import shutil
 import sys
 import tempfile
@@ -121,8 +122,14 @@ def test_offload_trains_saves_and_loads_on_two_cpu_processes(tmp_path, strategy)
              "--save-every", "3", "--out-dir", str(tmp_path)]
     if "stage_2" in strategy:  # best kept, as a crash before the finish would leave it for the resume below
         flags += ["--grad-accum", "2", "--keep-best-checkpoint"]
-    run([sys.executable, "train.py", *flags, "--max-steps", "5"], deepspeed_cpu=True)
+    first = run([sys.executable, "train.py", *flags, "--max-steps", "5"], deepspeed_cpu=True)
     assert (tmp_path / "checkpoints" / "step-000003" / "state").is_dir()  # sharded: a folder, not one file
+    # the first step checkpoint's line states its size, which the engine's write alone knows (it said 0 B when the
+    # checkpoint was still being committed in the background)
+    said = re.search(r"checkpoint step-000003: ([\d.]+) ([kMG])B, the whole model", first.stdout)
+    on_disk = sum(p.stat().st_size for p in (tmp_path / "checkpoints" / "step-000003").rglob("*") if p.is_file())
+    assert said and float(said[1]) * {"k": 1e3, "M": 1e6, "G": 1e9}[said[2]] == pytest.approx(on_disk, rel=0.05), \
+        first.stdout
     assert (tmp_path / "model" / "model.safetensors").exists()  # consolidated from the shards
     results = json.loads((tmp_path / "results.json").read_text())
     assert (results["val_examples"], results["test_examples"]) == (101, 201)  # every row once, none twice
