@@ -281,3 +281,17 @@ def test_an_error_every_rank_finds_is_one_line_under_torchrun_when_rank_zero_is_
     assert result.returncode != 0
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert errors == ["error: the same bad input on every rank"]
+
+
+def test_the_runs_config_holds_the_flags_and_what_the_run_decided_read_only():
+    """The loop reads one config: a value changed after it is made would differ between what ran and config.yaml."""
+    from argparse import Namespace
+
+    from fabric_utils.args import Config
+
+    config = Config(Namespace(lr=1e-3, batch_size="auto"), batch_size=8)
+    assert (config.lr, config.batch_size) == (1e-3, 8)
+    for change in (lambda: setattr(config, "lr", 1.0), lambda: delattr(config, "lr")):
+        with pytest.raises(AttributeError, match="read-only: decide lr before making it"):
+            change()
+    assert config.lr == 1e-3
