@@ -212,8 +212,10 @@ class Throughput:
     @contextlib.contextmanager
     def paused(self):
         start = time.perf_counter()
-        yield  # an exception here ends the run, and its clock with it
-        self.paused_s += time.perf_counter() - start
+        try:
+            yield
+        finally:
+            self.paused_s += time.perf_counter() - start
 
     def seconds(self) -> float:
         return time.perf_counter() - self.start_time - self.paused_s
