@@ -87,8 +87,10 @@ def _launch_state_restored():
     another launcher's world (WORLD_SIZE), and a rank it left would silence rank-zero-only loggers."""
     from lightning.fabric.utilities.rank_zero import rank_zero_only
 
-    names = (*LAUNCH_VARIABLES, "LT_CLI_USED", "LT_STRATEGY", "LT_DEVICES", "LT_NUM_NODES", "LT_PRECISION",
-             "LT_ACCELERATOR")  # and what an in-process `fabric run` leaves
+    from fabric_utils.args import LAUNCH_DEFAULTS
+
+    # and what an in-process `fabric run` leaves, named as fabric_run.py reads it
+    names = (*LAUNCH_VARIABLES, "LT_CLI_USED", *(f"LT_{name.upper()}" for name in LAUNCH_DEFAULTS))
     saved, rank = {name: os.environ.get(name) for name in names}, getattr(rank_zero_only, "rank", None)
     yield
     for name, value in saved.items():
