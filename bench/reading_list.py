@@ -1,8 +1,9 @@
 """What a reader carries: the checkout's files a default run imports (counted by running it and listing, at exit, the
-project files in its ``sys.modules``), in code lines (no blank, comment or docstring lines), per module; the
-fabric_utils modules it does not import (optional: loaded when a flag asks) beside them; and the files whose code one
-optimizer step runs, traced in this process through a short run of the checkout's own task (its TEST_FLAGS) on one
-CPU, with the lines of the functions it runs there.
+project files in its ``sys.modules``), in code lines (no blank, comment or docstring lines), per module, with those of
+them the run executed (the rest: error paths and other set-ups' branches); the fabric_utils modules it does not import
+(optional: loaded when a flag asks) beside them; and the files whose code one optimizer step runs, traced in this
+process through a short run of the checkout's own task (its TEST_FLAGS) on one CPU, with the lines of the functions it
+runs there.
 
     .venv/bin/python bench/reading_list.py [REPO]      # REPO: a checkout or a `git worktree` of another commit
 """
@@ -25,16 +26,28 @@ STEP = 5  # the optimizer step traced: past the first ones, which build and comp
 RUNS = {"train.py --demo": ["--demo", "--max-steps", "2"],
         "rank 0 of --demo --devices 2 --strategy fsdp2": ["--demo", "--max-steps", "2", "--devices", "2",
                                                           "--strategy", "fsdp2"]}
-# in the measured process: at exit, the checkout's files among the imported modules (rank 0 alone registers it, as
-# Fabric starts the other ranks as plain `python train.py`)
+# in the measured process: at exit, the checkout's files among the imported modules, each with the lines it ran there
+# (rank 0 alone records them, as Fabric starts the other ranks as plain `python train.py`)
 RECORD = """
-import atexit, json, os, runpy, sys
+import atexit, json, os, runpy, sys, threading
 repo, train, record = sys.argv[1:4]
 sys.path.insert(0, os.path.dirname(train))  # as `python train.py` puts it first
+ran = {}
+def trace(frame, event, arg):
+    if not frame.f_code.co_filename.startswith(repo):
+        return None
+    lines = ran.setdefault(frame.f_code.co_filename, set())
+    def line(frame, event, arg):
+        if event == "line":
+            lines.add(frame.f_lineno)
+        return line
+    return line
+sys.settrace(trace)
+threading.settrace(trace)
 def write():
     files = {getattr(module, "__file__", None) for module in list(sys.modules.values())}
     with open(record, "w") as out:
-        json.dump(sorted(f for f in files if f and f.startswith(repo)), out)
+        json.dump({f: sorted(ran.get(f, ())) for f in files if f and f.startswith(repo)}, out)
 atexit.register(write)
 sys.argv = [train, *sys.argv[4:]]
 runpy.run_path(train, run_name="__main__")
@@ -43,6 +56,10 @@ runpy.run_path(train, run_name="__main__")
 
 def code_lines(path: Path) -> int:
     """Lines that hold code: not blank, not only a comment, not part of a module's, class's or function's docstring."""
+    return len(code_line_numbers(path))
+
+
+def code_line_numbers(path: Path) -> set[int]:
     text = path.read_text()
     docstrings = set()
     for node in ast.walk(ast.parse(text)):
@@ -56,7 +73,18 @@ def code_lines(path: Path) -> int:
     for token in tokenize.generate_tokens(io.StringIO(text).readline):
         if token.type not in layout:
             code.update(range(token.start[0], token.end[0] + 1))
-    return len(code - docstrings)
+    return code - docstrings
+
+
+def ran_lines(path: Path, started: set[int]) -> int:
+    """Code lines of the statements that ran (whose first line ran): a simple one whole, a compound one its header."""
+    ran = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, (ast.stmt, ast.ExceptHandler)) and node.lineno in started:
+            blocks = [getattr(node, name, None) for name in ("body", "orelse", "handlers", "finalbody")]
+            first = min([node.lineno, *(decorator.lineno for decorator in getattr(node, "decorator_list", []))])
+            ran.update(range(first, min((block[0].lineno for block in blocks if block), default=node.end_lineno + 1)))
+    return len(code_line_numbers(path) & ran)
 
 
 def ours(repo: Path, path: Path) -> bool:
@@ -64,14 +92,16 @@ def ours(repo: Path, path: Path) -> bool:
     return path.is_relative_to(repo) and path.relative_to(repo).parts[0] not in ("tests", "bench", ".venv")
 
 
-def imported_files(repo: Path, flags: list[str], timeout: float = 600) -> list[Path]:
-    """The checkout's files that ``train.py flags`` imported, as its process (rank 0) held them at exit."""
+def imported_files(repo: Path, flags: list[str], timeout: float = 600) -> dict[Path, set[int]]:
+    """The checkout's files that ``train.py flags`` imported, as its process (rank 0) held them at exit, each with the
+    lines that process ran."""
     with tempfile.TemporaryDirectory() as out:
         record = Path(out) / "imported.json"
         subprocess.run([sys.executable, "-c", RECORD, str(repo) + os.sep, str(repo / "train.py"), str(record), *flags,
                         "--out-dir", str(Path(out) / "run")], cwd=out, check=True, timeout=timeout,
                        stdout=subprocess.DEVNULL)
-        return [path for path in map(Path, json.loads(record.read_text())) if ours(repo, path)]
+        return {Path(path): set(lines) for path, lines in json.loads(record.read_text()).items()
+                if ours(repo, Path(path))}
 
 
 def one_step_code(repo: Path) -> dict[Path, set[int]]:
@@ -120,18 +150,22 @@ def one_step_code(repo: Path) -> dict[Path, set[int]]:
 def main(repo: Path) -> None:
     package = sorted((repo / PACKAGE).glob("*.py"))
     imported = {title: imported_files(repo, flags) for title, flags in RUNS.items()}
-    name = {path: path.relative_to(repo).as_posix() for path in {*package, *sum(imported.values(), [])}}
+    name = {path: path.relative_to(repo).as_posix()
+            for path in {*package, *(path for files in imported.values() for path in files)}}
     print(f"code lines (no blank, comment or docstring lines) of the files a default run imports, counted at exit "
-          f"(rank 0); {PACKAGE}/ has {sum(map(code_lines, package)):,} in {len(package)} modules")
+          f"(rank 0), and in brackets those the run executed; {PACKAGE}/ has {sum(map(code_lines, package)):,} in "
+          f"{len(package)} modules")
     print(" | ".join(["file", *imported]))
     for path in sorted(name, key=lambda path: (path.parent != repo, path.parts[-2] == PACKAGE, name[path])):
-        cells = [f"{code_lines(path):,}" if path in files else "-" for files in imported.values()]
+        cells = [f"{code_lines(path):,} ({ran_lines(path, files[path]):,})" if path in files else "-"
+                 for files in imported.values()]
         print(" | ".join([name[path] + ("" if path.parent != repo / PACKAGE or any(path in files for files in
                                                                                     imported.values())
                                         else " (optional)"), *cells]))
     for title, where in ((PACKAGE, lambda path: path.parent == repo / PACKAGE), ("in all", lambda path: True)):
-        print(" | ".join([f"**{title}**", *(f"**{sum(code_lines(p) for p in files if where(p)):,}** in "
-                                            f"{sum(map(where, files))} files" for files in imported.values())]))
+        print(" | ".join([f"**{title}**", *(f"**{sum(code_lines(p) for p in files if where(p)):,}** "
+                                            f"({sum(ran_lines(p, lines) for p, lines in files.items() if where(p)):,}) "
+                                            f"in {sum(map(where, files))} files" for files in imported.values())]))
     step = one_step_code(repo)
     print(f"one optimizer step (step {STEP + 1}) runs {sum(map(len, step.values())):,} lines of functions in "
           f"{len(step)} files")

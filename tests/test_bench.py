@@ -63,29 +63,34 @@ def test_a_study_reruns_a_run_its_stop_cut_short(tmp_path, monkeypatch):
     assert folders_at_start == [[]]
 
 
-def test_reading_list_counts_the_code_lines_a_run_imports(tmp_path):
+def test_reading_list_counts_the_code_lines_a_run_imports_and_those_it_runs(tmp_path):
     """The files a run's process imported, listed at its exit: the package's ``__init__.py``, a module reached through
     another, and a module behind a flag only when the flag is given; a module nothing imports is not read. Code lines
-    leave out blank, comment and docstring lines."""
-    from bench.reading_list import code_lines, imported_files
+    leave out blank, comment and docstring lines; those the run executed leave out the bodies it never entered."""
+    from bench.reading_list import code_lines, imported_files, ran_lines
 
     package = tmp_path / "fabric_utils"
     package.mkdir()
     (tmp_path / "train.py").write_text("import sys\nimport torch\nfrom fabric_utils import loaders\n"
-                                       "if '--fp8' in sys.argv:\n    from fabric_utils import fp8\n")
+                                       "if '--fp8' in sys.argv:\n    from fabric_utils import fp8\n"
+                                       "    loaders.rows()\n")
     (package / "__init__.py").write_text("")
     (package / "loaders.py").write_text('"""A docstring\n\nover lines."""\n\n# a comment\nfrom . import errors\n\n\n'
-                                        'def rows():\n    """One line."""\n    return 1  # a comment after code\n')
+                                        'def rows():\n    """One line."""\n    try:\n        return (1 +\n'
+                                        '                2)  # a comment after code\n    except KeyError:\n'
+                                        '        return 0\n')
     for name in ("errors", "fp8", "unused"):
         (package / f"{name}.py").write_text("")
 
     def imported(flags):
-        return sorted(path.relative_to(tmp_path).as_posix() for path in imported_files(tmp_path, flags))
-    assert imported([]) == ["fabric_utils/__init__.py", "fabric_utils/errors.py", "fabric_utils/loaders.py",
-                            "train.py"]
-    assert imported(["--fp8"]) == ["fabric_utils/__init__.py", "fabric_utils/errors.py", "fabric_utils/fp8.py",
-                                   "fabric_utils/loaders.py", "train.py"]
-    assert code_lines(package / "loaders.py") == 3
+        files = imported_files(tmp_path, flags)
+        return (sorted(path.relative_to(tmp_path).as_posix() for path in files),
+                ran_lines(package / "loaders.py", files[package / "loaders.py"]))
+    assert imported([]) == (["fabric_utils/__init__.py", "fabric_utils/errors.py", "fabric_utils/loaders.py",
+                             "train.py"], 2)  # the import and the def
+    assert imported(["--fp8"]) == (["fabric_utils/__init__.py", "fabric_utils/errors.py", "fabric_utils/fp8.py",
+                                    "fabric_utils/loaders.py", "train.py"], 5)  # and the try, whole return, no except
+    assert code_lines(package / "loaders.py") == 7
 
 
 OPTIONAL = {"batch_size", "compiling", "config_file", "deepspeed_engine", "fabric_run", "flops", "fp8",
