@@ -27,10 +27,10 @@ RUNS = {"train.py --demo": ["--demo", "--max-steps", "2"],
         "rank 0 of --demo --devices 2 --strategy fsdp2": ["--demo", "--max-steps", "2", "--devices", "2",
                                                           "--strategy", "fsdp2"]}
 # in the measured process: at exit, the checkout's files among the imported modules, each with the lines it ran there
-# (rank 0 alone records them, as Fabric starts the other ranks as plain `python train.py`)
+# if traced (rank 0 alone records them, as Fabric starts the other ranks as plain `python train.py`)
 RECORD = """
 import atexit, json, os, runpy, sys, threading
-repo, train, record = sys.argv[1:4]
+repo, train, record, traced = sys.argv[1:5]
 sys.path.insert(0, os.path.dirname(train))  # as `python train.py` puts it first
 ran = {}
 def trace(frame, event, arg):
@@ -42,14 +42,15 @@ def trace(frame, event, arg):
             lines.add(frame.f_lineno)
         return line
     return line
-sys.settrace(trace)
-threading.settrace(trace)
+if traced == "lines":
+    sys.settrace(trace)
+    threading.settrace(trace)
 def write():
     files = {getattr(module, "__file__", None) for module in list(sys.modules.values())}
     with open(record, "w") as out:
         json.dump({f: sorted(ran.get(f, ())) for f in files if f and f.startswith(repo)}, out)
 atexit.register(write)
-sys.argv = [train, *sys.argv[4:]]
+sys.argv = [train, *sys.argv[5:]]
 runpy.run_path(train, run_name="__main__")
 """
 
@@ -92,14 +93,14 @@ def ours(repo: Path, path: Path) -> bool:
     return path.is_relative_to(repo) and path.relative_to(repo).parts[0] not in ("tests", "bench", ".venv")
 
 
-def imported_files(repo: Path, flags: list[str], timeout: float = 600) -> dict[Path, set[int]]:
+def imported_files(repo: Path, flags: list[str], lines: bool = False, timeout: float = 600) -> dict[Path, set[int]]:
     """The checkout's files that ``train.py flags`` imported, as its process (rank 0) held them at exit, each with the
-    lines that process ran."""
+    lines that process ran where ``lines`` (tracing them doubles the run's time)."""
     with tempfile.TemporaryDirectory() as out:
         record = Path(out) / "imported.json"
-        subprocess.run([sys.executable, "-c", RECORD, str(repo) + os.sep, str(repo / "train.py"), str(record), *flags,
-                        "--out-dir", str(Path(out) / "run")], cwd=out, check=True, timeout=timeout,
-                       stdout=subprocess.DEVNULL)
+        subprocess.run([sys.executable, "-c", RECORD, str(repo) + os.sep, str(repo / "train.py"), str(record),
+                        "lines" if lines else "", *flags, "--out-dir", str(Path(out) / "run")], cwd=out, check=True,
+                       timeout=timeout, stdout=subprocess.DEVNULL)
         return {Path(path): set(lines) for path, lines in json.loads(record.read_text()).items()
                 if ours(repo, Path(path))}
 
@@ -149,7 +150,7 @@ def one_step_code(repo: Path) -> dict[Path, set[int]]:
 
 def main(repo: Path) -> None:
     package = sorted((repo / PACKAGE).glob("*.py"))
-    imported = {title: imported_files(repo, flags) for title, flags in RUNS.items()}
+    imported = {title: imported_files(repo, flags, lines=True) for title, flags in RUNS.items()}
     name = {path: path.relative_to(repo).as_posix()
             for path in {*package, *(path for files in imported.values() for path in files)}}
     print(f"code lines (no blank, comment or docstring lines) of the files a default run imports, counted at exit "

@@ -83,7 +83,7 @@ def test_reading_list_counts_the_code_lines_a_run_imports_and_those_it_runs(tmp_
         (package / f"{name}.py").write_text("")
 
     def imported(flags):
-        files = imported_files(tmp_path, flags)
+        files = imported_files(tmp_path, flags, lines=True)
         return (sorted(path.relative_to(tmp_path).as_posix() for path in files),
                 ran_lines(package / "loaders.py", files[package / "loaders.py"]))
     assert imported([]) == (["fabric_utils/__init__.py", "fabric_utils/errors.py", "fabric_utils/loaders.py",
