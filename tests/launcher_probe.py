@@ -2,6 +2,7 @@
 and prints one JSON line with the ranks Fabric computed and the process group's."""
 
 import json
+import os
 import sys
 
 import torch.distributed as dist
@@ -17,10 +18,11 @@ def main(argv: list) -> None:
     fabric = build_fabric(accelerator=flags.accelerator, devices=flags.devices, num_nodes=flags.num_nodes,
                           strategy=flags.strategy, precision=flags.precision)
     launch(fabric)
-    print(json.dumps({"environment": type(fabric.strategy.cluster_environment).__name__,
-                      "global_rank": fabric.global_rank, "world_size": fabric.world_size,
-                      "node_rank": fabric.node_rank, "local_rank": fabric.local_rank,
-                      "group": [dist.get_rank(), dist.get_world_size()]}), flush=True)
+    ranks = {"environment": type(fabric.strategy.cluster_environment).__name__, "global_rank": fabric.global_rank,
+             "world_size": fabric.world_size, "node_rank": fabric.node_rank, "local_rank": fabric.local_rank,
+             "group": [dist.get_rank(), dist.get_world_size()]}
+    # one write, whole: the pod's processes share its stdout, where print's two writes (line, newline) interleave
+    os.write(sys.stdout.fileno(), (json.dumps(ranks) + "\n").encode())
     end_job(fabric)
 
 
