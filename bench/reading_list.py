@@ -101,7 +101,7 @@ def imported_files(repo: Path, flags: list[str], lines: bool = False, timeout: f
         subprocess.run([sys.executable, "-c", RECORD, str(repo) + os.sep, str(repo / "train.py"), str(record),
                         "lines" if lines else "", *flags, "--out-dir", str(Path(out) / "run")], cwd=out, check=True,
                        timeout=timeout, stdout=subprocess.DEVNULL)
-        return {Path(path): set(lines) for path, lines in json.loads(record.read_text()).items()
+        return {Path(path): set(ran) for path, ran in json.loads(record.read_text()).items()
                 if ours(repo, Path(path))}
 
 
